@@ -1,0 +1,39 @@
+# ddp_avg_hooks: `make demo` runs the main job, `make test` the whole suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel of torch; override for another build, e.g. make TORCH_SPEC='torch==2.13.0+cu128' install
+TORCH_SPEC ?= torch==2.13.0
+# A folder of local wheels, used when it exists (this machine keeps torch there).
+WHEELS ?= /opt/wheels
+PIP_FLAGS ?= $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
+# Where the JIT-built extension is cached; `make ext` fills it, tests reuse it.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+TEST_WORKERS ?= 2
+PYTEST_FLAGS ?=
+
+.PHONY: install ext test demo bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo]"
+	touch $@
+
+install: $(VENV)/.installed
+
+ext: install
+	$(PY) -c "from ddp_avg_hooks import ops; print('ops backend:', ops.backend())"
+
+test: ext
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_FLAGS)
+
+demo: install
+	$(PY) -m ddp_avg_hooks.examples.demo
+
+bench: ext
+	$(PY) benchmarks/bench_train.py
+
+clean:
+	rm -rf $(VENV) .torch_extensions build *.egg-info

@@ -1,0 +1,1 @@
+"""ddp_avg_hooks: local SGD for PyTorch DDP."""
