@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m ddp_avg_hooks.examples.train`` (torchrun program), ``.demo``, ``.netns``."""
