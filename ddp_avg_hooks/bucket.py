@@ -1,0 +1,232 @@
+"""``ParamBucket``: a flat buffer over a group of parameters, and how buckets are built.
+
+A ``ParamBucket`` is to an averaging hook what DDP's ``GradBucket`` is to a comm hook:
+the unit a hook works on. Buckets are built once, at registration, and never rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from . import ops
+
+
+class ParamBucket:
+    """A group of parameters of one (device, dtype) and a persistent flat buffer.
+
+    Before a round, the registry copies the parameters into :meth:`buffer`; the hook
+    returns a future of the bucket's new flat values. The buffer is scratch space owned
+    by the round: a hook may overwrite it (``bucket.buffer().div_(n)``) and even
+    return it; the parameters only change when the registry writes the result back.
+
+    Hooks that need the parameters as of the last averaging round (to send the
+    *change* ``anchor - params``, as the compressed hooks do) ask for anchors by
+    setting ``needs_anchor = True`` on the hook function (see
+    :func:`ddp_avg_hooks.needs_anchor`) or by passing ``keep_anchor=True`` to
+    :func:`ddp_avg_hooks.register_averaging_hook`. Anchors cost one copy of the
+    parameters, so buckets of other hooks do not keep them.
+
+    Example:
+        >>> import torch
+        >>> from ddp_avg_hooks.bucket import ParamBucket
+        >>> ps = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.zeros(3))]
+        >>> b = ParamBucket(0, ps, is_last=True, keep_anchor=True)
+        >>> b.numel(), b.dtype
+        (7, torch.float32)
+        >>> b.load_parameters().tolist()
+        [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+        >>> with torch.no_grad():
+        ...     _ = ps[1].add_(0.5)
+        >>> b.delta().tolist()
+        [0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5]
+    """
+
+    def __init__(
+        self,
+        index: int,
+        params: Sequence[torch.Tensor],
+        *,
+        is_last: bool,
+        keep_anchor: bool = False,
+    ) -> None:
+        if not params:
+            raise ValueError("ParamBucket needs at least one parameter")
+        first = params[0]
+        for p in params:
+            if (p.device, p.dtype) != (first.device, first.dtype):
+                raise ValueError(
+                    "ParamBucket parameters must share one device and dtype; got "
+                    f"{first.device}/{first.dtype} and {p.device}/{p.dtype}"
+                )
+        self._index = index
+        self._params = list(params)
+        self._is_last = is_last
+        self.device, self.dtype = first.device, first.dtype
+        self._numel = sum(p.numel() for p in self._params)
+        self._buffer = torch.empty(self._numel, dtype=self.dtype, device=self.device)
+        self._anchor: torch.Tensor | None = None
+        if keep_anchor:
+            self._anchor = torch.empty_like(self._buffer)
+            self.reset_anchor()
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._bytes_sent = 0
+
+    # --- the GradBucket-shaped interface -------------------------------------------
+    def index(self) -> int:
+        """Position of this bucket among the registration's buckets (0-based)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """Flat 1-D tensor of this bucket's parameters, filled at the start of a round."""
+        return self._buffer
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters of this bucket, in the order they sit in :meth:`buffer`."""
+        return list(self._params)
+
+    def is_last(self) -> bool:
+        """True for the registration's last bucket (per-round state advances here)."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` (any float dtype, ``numel()`` elements) into :meth:`buffer`."""
+        if tensor.numel() != self._numel:
+            raise ValueError(
+                f"set_buffer: bucket {self._index} has {self._numel} elements, "
+                f"got a tensor with {tensor.numel()}"
+            )
+        self._buffer.copy_(tensor.reshape(-1))
+
+    # --- additions for parameter averaging -----------------------------------------
+    def numel(self) -> int:
+        """Number of parameter elements in this bucket."""
+        return self._numel
+
+    def has_anchor(self) -> bool:
+        """Whether this bucket keeps anchors (see the class docstring)."""
+        return self._anchor is not None
+
+    def anchor(self) -> torch.Tensor:
+        """Flat parameters as of the last averaging round, identical on every rank.
+
+        Raises ``RuntimeError`` when the hook did not ask for anchors.
+        """
+        if self._anchor is None:
+            raise RuntimeError(
+                f"bucket {self._index} keeps no anchor: mark the hook with "
+                "@ddp_avg_hooks.needs_anchor or register it with keep_anchor=True"
+            )
+        return self._anchor
+
+    def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0) -> torch.Tensor:
+        """``(anchor() - parameters) * scale`` cast to ``dtype``, in one fused pass.
+
+        Reads the live parameters (not :meth:`buffer`). The result lives in a
+        persistent scratch buffer of this bucket, overwritten by the next ``delta``
+        call with the same dtype: clone it to keep it across rounds.
+        """
+        dtype = self.dtype if dtype is None else dtype
+        out = self._scratch.get(dtype)
+        if out is None:
+            out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
+        return ops.delta(self.anchor(), self._params, out, scale)
+
+    def record_sent(self, *tensors: torch.Tensor) -> None:
+        """Count the bytes of ``tensors`` as handed to a collective by this rank.
+
+        Built-in hooks call this for every tensor they communicate; user hooks should
+        too, so that ``handle.stats.bytes_sent`` is right.
+        """
+        self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    # --- used by the registry --------------------------------------------------------
+    def load_parameters(self) -> torch.Tensor:
+        """Copy the live parameters into :meth:`buffer` and return it."""
+        return ops.flatten(self._params, self._buffer)
+
+    def write_back(self, values: torch.Tensor) -> None:
+        """Copy ``values`` into the parameters in place (and into the anchor, if kept)."""
+        ops.apply_(values.reshape(-1), self._params, self._anchor)
+
+    def reset_anchor(self) -> None:
+        """Make the current parameters the anchor (a no-op without anchors)."""
+        if self._anchor is not None:
+            ops.flatten(self._params, self._anchor)
+
+    def take_bytes_sent(self) -> int:
+        sent, self._bytes_sent = self._bytes_sent, 0
+        return sent
+
+    def layout(self) -> tuple:
+        """(device type, dtype, shapes): what must agree across ranks."""
+        return (self.device.type, str(self.dtype), tuple(tuple(p.shape) for p in self._params))
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamBucket(index={self._index}, params={len(self._params)}, "
+            f"numel={self._numel}, dtype={self.dtype}, device={self.device})"
+        )
+
+
+def assign_buckets(
+    params: Iterable[torch.Tensor], bucket_cap_mb: float, *, keep_anchor: bool = False
+) -> list[ParamBucket]:
+    """Group ``params`` into buckets of one (device, dtype) and at most ``bucket_cap_mb``.
+
+    Parameters keep their order; a parameter larger than the cap gets a bucket of its
+    own. Buckets are numbered by their first parameter's position.
+
+    Example:
+        >>> import torch
+        >>> ps = [torch.zeros(256), torch.zeros(8, dtype=torch.bfloat16), torch.zeros(256)]
+        >>> [len(b.parameters()) for b in assign_buckets(ps, bucket_cap_mb=1.5 / 1024)]
+        [1, 1, 1]
+        >>> [len(b.parameters()) for b in assign_buckets(ps, bucket_cap_mb=25)]
+        [2, 1]
+    """
+    cap_bytes = bucket_cap_mb * 1024 * 1024
+    groups: list[list[torch.Tensor]] = []
+    open_group: dict[tuple, tuple[list[torch.Tensor], int]] = {}
+    for p in params:
+        key = (p.device, p.dtype)
+        nbytes = p.numel() * p.element_size()
+        group, size = open_group.get(key, (None, 0))
+        if group is None or (size + nbytes > cap_bytes and group):
+            group, size = [], 0
+            groups.append(group)
+        group.append(p)
+        open_group[key] = (group, size + nbytes)
+    return [
+        ParamBucket(i, g, is_last=i == len(groups) - 1, keep_anchor=keep_anchor)
+        for i, g in enumerate(groups)
+    ]
+
+
+def needs_anchor(hook):
+    """Mark an averaging hook as one that reads ``bucket.anchor()`` or ``bucket.delta()``.
+
+    Buckets of a registration keep anchors (one copy of the parameters) only when
+    its hook carries this mark or ``keep_anchor=True`` is passed at registration.
+
+    Example:
+        >>> from ddp_avg_hooks import needs_anchor
+        >>> @needs_anchor
+        ... def my_delta_hook(state, bucket): ...
+        >>> my_delta_hook.needs_anchor
+        True
+    """
+    hook.needs_anchor = True
+    return hook
+
+
+def hook_attribute(hook, name: str, default=None):
+    """``hook.<name>``, looking through ``functools.partial`` wrappers."""
+    while True:
+        if hasattr(hook, name):
+            return getattr(hook, name)
+        inner = getattr(hook, "func", None)
+        if inner is None or inner is hook:
+            return default
+        hook = inner

@@ -1,0 +1,44 @@
+"""Small communication helpers shared by the built-in averaging hooks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(state: object, hook_name: str) -> dist.ProcessGroup:
+    """The process group a hook averages over: ``state`` itself, or the default group.
+
+    Raises ``TypeError`` for anything that is neither ``None`` nor a process group.
+    """
+    if state is None:
+        return dist.group.WORLD
+    if isinstance(state, dist.ProcessGroup):
+        return state
+    raise TypeError(
+        f"{hook_name}: state must be None (the default group) or a "
+        f"torch.distributed.ProcessGroup, got {type(state).__name__}"
+    )
+
+
+def is_member(group: dist.ProcessGroup) -> bool:
+    """Whether this rank belongs to ``group`` (ranks outside it leave parameters alone)."""
+    return group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future:
+    """A future that already holds ``value``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def allreduce_mean_fut(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> torch.futures.Future:
+    """Average ``tensor`` in place across ``group``; returns a future of ``tensor``.
+
+    Divides before summing (no overflow in half precision) and counts the bytes sent.
+    """
+    tensor.div_(dist.get_world_size(group))
+    bucket.record_sent(tensor)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
