@@ -1,0 +1,493 @@
+"""Train a small character-level transformer LM with DDP or local SGD: a torchrun program.
+
+The corpus is the Python standard library's own source (``sysconfig`` stdlib path, the
+top-level ``*.py`` files in sorted order: offline, the same on every machine with the same
+Python). The last ``--val-frac`` of the text is held out for validation. Tokens are bytes
+(vocabulary 256).
+
+Run::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m ddp_avg_hooks.examples.train --hook allreduce --period 8 --steps 200 --out runs/a
+
+and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
+
+``--hook`` picks a variant from :data:`VARIANTS`:
+
+- ``none``: no communication at all, every rank trains alone (the physical limit);
+- ``ddp``, ``ddp_fp16``, ``ddp_bf16``, ``ddp_powersgd``: DDP with PyTorch's gradient comm
+  hooks (allreduce every step);
+- ``torch_localsgd``: PyTorch's ``post_localSGD_hook`` + ``PeriodicModelAverager``;
+- ``allreduce``, ``fp16``, ``bf16``, ``powersgd``: ours,
+  ``ddp_avg_hooks.register_averaging_hook`` with that hook plus
+  ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``).
+
+Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
+step seconds, bytes this rank handed to collectives, seconds waiting on communication,
+whether parameters were averaged), validation records, and a summary.
+
+Bytes are counted the same way for every variant: the size of every tensor this rank
+passes to ``torch.distributed`` collectives during the step (a counting wrapper around
+``dist.all_reduce`` / ``all_gather`` / ...; DDP baselines run PyTorch's allreduce hook,
+functionally DDP's built-in reduction, so their gradient buckets are counted too). For our
+hooks ``handle.stats.bytes_sent`` is recorded as well and must agree. With 2 ranks a ring
+all-reduce puts about that many bytes on the wire per rank; with ``DAH_WIRE_IFACE`` set
+(the launcher does that in network namespaces) the kernel's transmit counter of that
+device is recorded too.
+
+Communication wait per step: DDP overlaps all-reduce with backward, so the wait that shows
+is from the last bucket's hand-off (the end of backward) to the last bucket's completion;
+for parameter averaging it is the wall time of the (blocking) averaging call.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import glob
+import inspect
+import json
+import os
+import statistics
+import sys
+import sysconfig
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ------------------------------------------------------------------------------ data
+
+def load_corpus(max_bytes: int | None = None) -> torch.Tensor:
+    """The stdlib's top-level ``*.py`` files, sorted by name, concatenated as bytes."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(root, "*.py")))
+    if not files:
+        raise FileNotFoundError(f"no *.py files under the stdlib path {root!r}")
+    chunks, total = [], 0
+    for path in files:
+        with open(path, "rb") as f:
+            b = f.read()
+        chunks.append(b)
+        total += len(b)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    data = b"".join(chunks)[:max_bytes]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def split(data: torch.Tensor, val_frac: float) -> tuple[torch.Tensor, torch.Tensor]:
+    n_val = max(int(len(data) * val_frac), 1)
+    return data[:-n_val], data[-n_val:]
+
+
+def get_batch(data: torch.Tensor, batch: int, context: int, gen: torch.Generator):
+    ix = torch.randint(len(data) - context - 1, (batch,), generator=gen)
+    offs = torch.arange(context + 1)
+    win = data[ix[:, None] + offs]
+    return win[:, :-1], win[:, 1:]
+
+
+# ------------------------------------------------------------------------------ model
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharTransformer(nn.Module):
+    """A GPT-style decoder over bytes: embeddings, pre-norm blocks, tied output head."""
+
+    def __init__(self, d_model: int, n_layers: int, n_heads: int, context: int, vocab: int = 256):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.ln = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+PRESETS = {  # d_model, n_layers, n_heads, context, batch_size
+    "tiny": dict(d_model=32, n_layers=1, n_heads=2, context=32, batch_size=8),
+    "demo": dict(d_model=128, n_layers=2, n_heads=4, context=64, batch_size=8),
+    "bench": dict(d_model=192, n_layers=3, n_heads=4, context=96, batch_size=8),
+    "issue": dict(d_model=256, n_layers=6, n_heads=8, context=128, batch_size=4),  # ~4.8M params
+}
+
+
+# -------------------------------------------------------------------- communication
+
+class CommMeter:
+    """Counts bytes handed to collectives, and times DDP gradient-hook futures."""
+
+    # collective -> (position, keyword) of the tensor this rank sends
+    _WRAPPED = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
+                "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
+                "reduce_scatter_tensor": (1, "input"), "all_to_all_single": (1, "input")}
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls: list[float] = []
+        self.dones: list[float] = []
+        self._orig: dict[str, object] = {}
+
+    def install(self) -> None:
+        for name, where in self._WRAPPED.items():
+            orig = getattr(dist, name, None)
+            if orig is None or name in self._orig:
+                continue
+            self._orig[name] = orig
+            setattr(dist, name, self._counting(orig, *where))
+
+    def uninstall(self) -> None:
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+        self._orig.clear()
+
+    def _counting(self, fn, pos: int, key: str):
+        def wrapper(*args, **kwargs):
+            t = args[pos] if len(args) > pos else kwargs.get(key)
+            if isinstance(t, torch.Tensor):
+                self.bytes += t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+        wrapper.__wrapped__ = fn
+        return wrapper
+
+    def timed(self, hook):
+        """Wrap a DDP comm hook so that each bucket's hand-off and completion are timed."""
+        def timed_hook(state, bucket):
+            self.calls.append(time.perf_counter())
+            fut = hook(state, bucket)
+
+            def done(f):
+                self.dones.append(time.perf_counter())
+                return f.value()
+            return fut.then(done)
+        return timed_hook
+
+    def take_grad_wait(self) -> float:
+        wait = max(0.0, max(self.dones) - max(self.calls)) if self.calls and self.dones else 0.0
+        self.calls.clear()
+        self.dones.clear()
+        return wait
+
+
+
+class HookUnavailable(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Variant:
+    """What one ``--hook`` choice does around the optimizer step."""
+    name: str
+    model: nn.Module                  # what forward/backward run on
+    module: nn.Module                 # the bare model (for evaluation)
+    after_step: callable = lambda: False   # returns True when it averaged
+    finalize: callable = lambda: None      # make all ranks' models equal at the end
+    handle: object = None
+
+
+def _need_dah(attr: str, name: str):
+    try:
+        import ddp_avg_hooks as dah
+        hooks = dah.hooks
+        fn = getattr(hooks, attr)
+        dah.register_averaging_hook, dah.grad_hooks.local_sgd_grad_hook  # noqa: B018
+    except (ImportError, AttributeError) as exc:
+        raise HookUnavailable(
+            f"--hook {name}: ddp_avg_hooks.hooks.{attr} is not available in this build "
+            f"({type(exc).__name__}: {exc}). Pick another --hook (see --help).") from None
+    return dah, fn
+
+
+def _powersgd_state(dah, args):
+    cls = dah.hooks.PowerSGDState
+    want = dict(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                min_compression_rate=2.0, seed=args.seed)
+    params = inspect.signature(cls).parameters
+    return cls(**{k: v for k, v in want.items() if k in params})
+
+
+# name -> (dah hook attribute, state factory); validated before the process group starts
+OURS = {
+    "allreduce": ("allreduce_hook", lambda dah, args: None),
+    "fp16": ("fp16_compress_hook", lambda dah, args: None),
+    "bf16": ("bf16_compress_hook", lambda dah, args: None),
+    "powersgd": ("powersgd_hook", _powersgd_state),
+}
+TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
+                    "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
+VARIANTS = ["none", *TORCH_GRAD_HOOKS, "torch_localsgd", *OURS]
+
+
+def check_available(name: str) -> None:
+    """Raise :class:`HookUnavailable` with a clear message if ``--hook name`` cannot run."""
+    if name not in VARIANTS:
+        raise HookUnavailable(f"--hook {name}: unknown; choose one of {', '.join(VARIANTS)}")
+    if name in OURS:
+        _need_dah(OURS[name][0], name)
+
+
+def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+
+    if name == "none":
+        return Variant(name, model, model)
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    if name in TORCH_GRAD_HOOKS:
+        if name == "ddp_powersgd":
+            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                       start_powerSGD_iter=2, min_compression_rate=2, random_seed=args.seed)
+            hook = psgd.powerSGD_hook
+        else:
+            state, hook = None, getattr(default_hooks, TORCH_GRAD_HOOKS[name])
+        ddp.register_comm_hook(state, meter.timed(hook))
+        return Variant(name, ddp, model)
+    if name == "torch_localsgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pls
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        state = pls.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD,
+                                      start_localSGD_iter=args.warmup,
+                                      post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(state, meter.timed(pls.post_localSGD_hook))
+        averager = PeriodicModelAverager(period=args.period, warmup_steps=args.warmup)
+
+        def after_step() -> bool:
+            before = averager.step
+            averaged = averager.step >= averager.warmup_steps and \
+                (averager.step - averager.warmup_steps) % averager.period == 0
+            averager.average_parameters(model.parameters())
+            assert averager.step == before + 1
+            return averaged
+
+        def finalize() -> None:
+            from torch.distributed.algorithms.model_averaging import utils
+            utils.average_parameters(model.parameters(), dist.group.WORLD)
+        return Variant(name, ddp, model, after_step, finalize)
+    attr, make_state = OURS[name]
+    dah, hook = _need_dah(attr, name)
+    handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
+                                         warmup_steps=args.warmup,
+                                         bucket_cap_mb=args.bucket_cap_mb)
+    ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
+    return Variant(name, ddp, model, handle.step, handle.average, handle)
+
+
+# ---------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hook", default="allreduce", choices=VARIANTS)
+    p.add_argument("--period", type=int, default=8, help="optimizer steps between averaging rounds")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="steps of DDP gradient averaging before local SGD starts")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="folder for metrics.json (rank 0)")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    for k in ("d_model", "n_layers", "n_heads", "context", "batch_size"):
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"overrides --preset")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr-warmup", type=int, default=20, help="linear learning-rate warm-up steps")
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--eval-every", type=int, default=32,
+                   help="validate every N steps (N a multiple of --period: right after a round)")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--val-frac", type=float, default=0.05)
+    p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
+    p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    args = p.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: torch.Tensor, args) -> float:
+    gen = torch.Generator().manual_seed(1234)  # the same held-out windows every time
+    losses = []
+    for _ in range(args.eval_batches):
+        x, y = get_batch(val, args.batch_size, args.context, gen)
+        losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def _median_or_none(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _read_wire(iface: str | None) -> int | None:
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    try:
+        check_available(args.hook)
+    except HookUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1) if hasattr(torch, "set_num_interop_threads") else None
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    meter = CommMeter()
+    try:
+        return _train(args, rank, world, meter)
+    finally:
+        meter.uninstall()
+        dist.destroy_process_group()
+
+
+def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
+    torch.manual_seed(args.seed)
+    train_data, val_data = split(load_corpus(args.corpus_bytes), args.val_frac)
+    model = CharTransformer(args.d_model, args.n_layers, args.n_heads, args.context)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
+    variant = build_variant(args.hook, model, opt, meter, args)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank: its own data
+    meter.install()
+    wire_if = os.environ.get("DAH_WIRE_IFACE")
+
+    show = rank == 0 and (args.progress == "on" or (args.progress == "auto"))
+    bar = None
+    if show:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(total=args.steps, desc=args.hook, dynamic_ncols=True, file=sys.stderr,
+                       mininterval=0.5)
+        except ImportError:
+            bar = None
+
+    steps, evals = [], []
+    train_s = 0.0
+    total_bytes = 0
+    dist.barrier()
+    wire0 = _read_wire(wire_if)
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        b0 = meter.bytes
+        x, y = get_batch(train_data, args.batch_size, args.context, gen)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(variant.model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        grad_wait = meter.take_grad_wait()
+        opt.step()
+        sched.step()
+        ta = time.perf_counter()
+        averaged = bool(variant.after_step())
+        avg_s = time.perf_counter() - ta if averaged else 0.0
+        dt = time.perf_counter() - t0
+        nbytes = meter.bytes - b0
+        train_s += dt
+        total_bytes += nbytes
+        rec = dict(step=i, loss=round(loss.item(), 5), step_s=round(dt, 6), bytes=nbytes,
+                   comm_s=round(grad_wait + avg_s, 6), averaged=averaged)
+        steps.append(rec)
+        if bar is not None:
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", step_ms=f"{dt * 1e3:.0f}",
+                            MB_sent=f"{total_bytes / 1e6:.1f}", refresh=False)
+            bar.update(1)
+        if args.eval_every and (i + 1) % args.eval_every == 0 and i + 1 < args.steps:
+            evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
+                              train_s=round(train_s, 4), bytes=total_bytes,
+                              val_loss=round(evaluate(variant.module, val_data, args), 5)))
+    wire1 = _read_wire(wire_if)
+    if bar is not None:
+        bar.close()
+    # the model one would ship: average once more (not timed), then validate
+    variant.finalize()
+    evals.append(dict(step=args.steps, samples=args.steps * args.batch_size * world,
+                      train_s=round(train_s, 4), bytes=total_bytes,
+                      val_loss=round(evaluate(variant.module, val_data, args), 5), final=True))
+    stats = None
+    if variant.handle is not None:
+        s = variant.handle.stats
+        stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4))
+    meter.uninstall()
+    # every rank's view of time and bytes, for the record
+    mine = torch.tensor([train_s, float(total_bytes)], dtype=torch.float64)
+    all_ranks = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(all_ranks, mine)
+    if rank != 0:
+        return None
+    step_s = [r["step_s"] for r in steps]
+    summary = dict(
+        final_val_loss=evals[-1]["val_loss"],
+        final_train_loss=statistics.fmean(r["loss"] for r in steps[-max(1, len(steps) // 10):]),
+        median_step_s=statistics.median(step_s),
+        mean_step_s=statistics.fmean(step_s),
+        train_s=train_s,
+        bytes_per_step=total_bytes / len(steps),
+        comm_share=sum(r["comm_s"] for r in steps) / max(train_s, 1e-12),
+        median_local_step_s=_median_or_none([r["step_s"] for r in steps
+                                             if not r["averaged"] and r["bytes"] == 0]),
+        wire_bytes_per_step=None if wire0 is None or wire1 is None else (wire1 - wire0) / len(steps),
+        per_rank_train_s=[float(t[0]) for t in all_ranks],
+        per_rank_bytes=[int(t[1]) for t in all_ranks],
+        handle_stats=stats,
+    )
+    result = dict(config=dict(vars(args), world_size=world, n_params=n_params,
+                              torch=torch.__version__, wire_iface=wire_if,
+                              corpus=sysconfig.get_paths()["stdlib"]),
+                  summary=summary, steps=steps, evals=evals)
+    print(f"[{args.hook}] world={world} params={n_params / 1e6:.2f}M steps={args.steps} "
+          f"val_loss={summary['final_val_loss']:.4f} median_step={summary['median_step_s'] * 1e3:.1f}ms "
+          f"MB/step={summary['bytes_per_step'] / 1e6:.3f} comm_share={summary['comm_share']:.2f}",
+          file=sys.stderr)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tmp = os.path.join(args.out, "metrics.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, os.path.join(args.out, "metrics.json"))
+    return result
+
+
+if __name__ == "__main__":
+    main()
