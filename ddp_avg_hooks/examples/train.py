@@ -214,7 +214,6 @@ class Variant:
     model: nn.Module                  # what forward/backward run on
     module: nn.Module                 # the bare model (for evaluation)
     after_step: callable = lambda: False   # returns True when it averaged
-    finalize: callable = lambda: None      # make all ranks' models equal at the end
     handle: object = None
 
 
@@ -291,18 +290,14 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
             averager.average_parameters(model.parameters())
             assert averager.step == before + 1
             return averaged
-
-        def finalize() -> None:
-            from torch.distributed.algorithms.model_averaging import utils
-            utils.average_parameters(model.parameters(), dist.group.WORLD)
-        return Variant(name, ddp, model, after_step, finalize)
+        return Variant(name, ddp, model, after_step)
     attr, make_state = OURS[name]
     dah, hook = _need_dah(attr, name)
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb)
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
-    return Variant(name, ddp, model, handle.step, handle.average, handle)
+    return Variant(name, ddp, model, handle.step, handle)
 
 
 # ---------------------------------------------------------------------------- main
@@ -325,7 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--eval-every", type=int, default=32,
-                   help="validate every N steps (N a multiple of --period: right after a round)")
+                   help="validate the ranks' average model every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--val-frac", type=float, default=0.05)
     p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
@@ -346,6 +341,29 @@ def evaluate(model: nn.Module, val: torch.Tensor, args) -> float:
         x, y = get_batch(val, args.batch_size, args.context, gen)
         losses.append(F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item())
     return sum(losses) / len(losses)
+
+
+class ConsensusEval:
+    """Validation loss of the model the ranks would agree on if training stopped now.
+
+    That is the average of all ranks' parameters, computed into a shadow copy (training is
+    untouched; its all-reduce is neither timed nor counted). After a DDP step or an
+    averaging round it equals every rank's model. ``--hook none`` validates rank 0's own
+    model: ranks that never communicate have no consensus.
+    """
+
+    def __init__(self, module: nn.Module, consensus: bool) -> None:
+        import copy
+        self.module, self.consensus = module, consensus
+        self.shadow = copy.deepcopy(module) if consensus else module
+
+    def __call__(self, val: torch.Tensor, args, all_reduce) -> float:
+        if self.consensus:
+            from torch.nn.utils import parameters_to_vector, vector_to_parameters
+            flat = parameters_to_vector(self.module.parameters()).detach().clone()
+            all_reduce(flat)
+            vector_to_parameters(flat.div_(dist.get_world_size()), self.shadow.parameters())
+        return evaluate(self.shadow, val, args)
 
 
 def _median_or_none(xs: list[float]) -> float | None:
@@ -391,6 +409,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
     variant = build_variant(args.hook, model, opt, meter, args)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank: its own data
+    consensus_eval = ConsensusEval(model, consensus=args.hook != "none")
+    raw_all_reduce = dist.all_reduce
     meter.install()
     wire_if = os.environ.get("DAH_WIRE_IFACE")
 
@@ -436,15 +456,13 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         if args.eval_every and (i + 1) % args.eval_every == 0 and i + 1 < args.steps:
             evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
                               train_s=round(train_s, 4), bytes=total_bytes,
-                              val_loss=round(evaluate(variant.module, val_data, args), 5)))
+                              val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5)))
     wire1 = _read_wire(wire_if)
     if bar is not None:
         bar.close()
-    # the model one would ship: average once more (not timed), then validate
-    variant.finalize()
     evals.append(dict(step=args.steps, samples=args.steps * args.batch_size * world,
                       train_s=round(train_s, 4), bytes=total_bytes,
-                      val_loss=round(evaluate(variant.module, val_data, args), 5), final=True))
+                      val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5), final=True))
     stats = None
     if variant.handle is not None:
         s = variant.handle.stats

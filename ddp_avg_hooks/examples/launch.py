@@ -1,0 +1,147 @@
+"""Launch :mod:`ddp_avg_hooks.examples.train` with torchrun, locally or as two "nodes".
+
+- Loopback: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+  ddp_avg_hooks.examples.train ...`` (the rendezvous port is picked by the OS).
+- Two nodes in two network namespaces (:class:`~ddp_avg_hooks.examples.netns.NetnsPair`),
+  one torchrun per namespace, exactly what one would type on two machines::
+
+      # node a (10.231.0.1)                      # node b (10.231.0.2)
+      GLOO_SOCKET_IFNAME=<veth a> \\             GLOO_SOCKET_IFNAME=<veth b> \\
+      torchrun --nnodes 2 --nproc-per-node 1 \\  torchrun --nnodes 2 --nproc-per-node 1 \\
+        --rdzv-backend c10d \\                     --rdzv-backend c10d \\
+        --rdzv-endpoint 10.231.0.1:29400 \\        --rdzv-endpoint 10.231.0.1:29400 \\
+        --rdzv-id ID --local-addr 10.231.0.1 \\    --rdzv-id ID --local-addr 10.231.0.2 \\
+        --rdzv-conf is_host=1 -m ...train ...      --rdzv-conf is_host=0 -m ...train ...
+
+Every launch has a deadline; on failure or timeout the whole process tree of each
+torchrun is killed (each runs in its own session) before the error is raised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+from .netns import NetnsPair
+
+TRAIN = "ddp_avg_hooks.examples.train"
+RDZV_PORT = 29400
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # also silences torchrun's banner about it
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(extra or {})
+    return env
+
+
+def loopback_command(train_args: list[str], nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), "-m", TRAIN, *train_args]
+
+
+def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | None = None
+                      ) -> list[tuple[list[str], dict]]:
+    """(argv, extra env) for the torchrun of each node; node a hosts the rendezvous."""
+    rdzv_id = rdzv_id or uuid.uuid4().hex[:8]
+    out = []
+    for i in (0, 1):
+        argv = pair.exec_prefix(i) + [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"{pair.addr[0]}:{RDZV_PORT}", "--rdzv-id", rdzv_id,
+            "--local-addr", pair.addr[i], "--rdzv-conf", f"is_host={1 if i == 0 else 0}",
+            "-m", TRAIN, *train_args]
+        out.append((argv, {"GLOO_SOCKET_IFNAME": pair.ifname[i], "DAH_WIRE_IFACE": pair.ifname[i]}))
+    return out
+
+
+def shell_line(argv: list[str], env: dict | None = None) -> str:
+    pre = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    return (pre + " " if pre else "") + " ".join(shlex.quote(a) for a in argv)
+
+
+def _kill_tree(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = None,
+                 nproc: int = 2, timeout_s: float = 600.0, log: str | None = None,
+                 stream: bool = False) -> dict:
+    """Run one training job to completion; returns rank 0's metrics.json (plus launch info).
+
+    ``stream``: the children's stderr (rank 0's progress bar) goes to ours; otherwise
+    all output goes to ``log`` (default ``<out>/launch.log``).
+    """
+    os.makedirs(out, exist_ok=True)
+    metrics = os.path.join(out, "metrics.json")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    args = [*train_args, "--out", out]
+    if pair is None:
+        jobs = [(loopback_command(args, nproc), {})]
+    else:
+        if nproc != 2:
+            raise ValueError("the two-namespace launch runs one rank per node (nproc=2)")
+        jobs = two_node_commands(pair, args)
+    log = log or os.path.join(out, "launch.log")
+    procs = []
+    t0 = time.perf_counter()
+    with open(log, "w") as logf:
+        for argv, extra in jobs:
+            logf.write("$ " + shell_line(argv, extra) + "\n")
+        logf.flush()
+        try:
+            for argv, extra in jobs:
+                procs.append(subprocess.Popen(
+                    argv, env=_env(extra), stdout=logf,
+                    stderr=None if stream else subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"training did not finish in {timeout_s:.0f} s (log: {log})")
+                if any(p.returncode not in (None, 0) for p in procs):
+                    break  # one node failed: do not wait for the other's timeout
+                time.sleep(0.2)
+            codes = [p.returncode for p in procs]
+            if any(c != 0 for c in codes):
+                raise LaunchError(f"training failed with exit codes {codes}; log: {log}\n"
+                                  + _tail(log))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    _kill_tree(p)
+    wall = time.perf_counter() - t0
+    with open(metrics) as f:
+        result = json.load(f)
+    result["launch"] = dict(commands=[shell_line(a, e) for a, e in jobs], wall_s=wall,
+                            network=pair.describe() if pair else "loopback (one host, no shaping)")
+    with open(metrics, "w") as f:
+        json.dump(result, f)
+    return result
+
+
+def _tail(path: str, n: int = 30) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return ""
+    return "".join(lines[-n:])
