@@ -1,5 +1,6 @@
 """Built-in averaging hooks: ``hook(state, bucket) -> Future[Tensor]``."""
 
+from .compress import HalfDeltaState, bf16_compress_hook, fp16_compress_hook
 from .default import allreduce_hook
 
-__all__ = ["allreduce_hook"]
+__all__ = ["HalfDeltaState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]

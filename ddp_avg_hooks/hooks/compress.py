@@ -1,0 +1,268 @@
+"""Half-precision averaging of the parameter *change*: ``fp16_compress_hook``, ``bf16_compress_hook``.
+
+Rounding the parameters themselves to half precision is a trap: a parameter of
+magnitude 20 has an fp16 spacing of 2**-6 (0.016) and a bf16 spacing of 2**-3, so
+every update smaller than that vanishes at each round. These hooks send the change
+since the last round instead, ``delta = anchor - params`` (small, so its relative
+precision is what counts), and compute the new parameters in the parameters' dtype::
+
+    h_r = half(delta_r / world_size + e_r)           # divide first: no fp16 overflow
+    e_r <- delta_r / world_size + e_r - h_r           # error feedback (on by default)
+    new = anchor - allreduce_sum(h)                   # in the bucket's dtype
+
+Where the error-feedback residual ``e_r`` lives:
+
+* ``state`` is a :class:`HalfDeltaState`: in the state, keyed by ``bucket.index()``,
+  and saved by ``state_dict()`` (so ``handle.state_dict()`` checkpoints it).
+* ``state`` is ``None`` or a ``ProcessGroup`` (as for DDP's ``fp16_compress_hook``):
+  error feedback is still on, and the residual lives with the bucket itself (a weak
+  per-bucket table here), so it exists exactly as long as the registration and is
+  freed by ``handle.remove()``. It is not part of ``handle.state_dict()``: to resume
+  a checkpoint bit for bit, pass a :class:`HalfDeltaState`.
+
+Error bounds (per element, per round, ``u`` = unit roundoff: 2**-11 for fp16, 2**-8
+for bf16, ``d`` = the round's ``|delta| / world_size``):
+
+* without error feedback the round's result is off by at most ``u * d`` per rank plus
+  ``(world_size - 1) * u * |sum|`` for the half-precision sum, and these errors add up
+  over rounds like a random walk;
+* with error feedback the rank's own rounding is carried to the next round instead of
+  lost, so the parameters stay within one round's rounding (``u * d``) of the exact
+  trajectory of the sent deltas: the drift stays bounded (tested in
+  ``tests/test_compress_hooks.py``);
+* ``delta / world_size`` must stay below 65504 for fp16 (bf16 has float32's range).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..bucket import ParamBucket, needs_anchor
+from ._comm import completed, is_member, resolve_group
+
+
+class _Residual:
+    """Error-feedback memory of one bucket: the residual and a reusable send buffer."""
+
+    __slots__ = ("residual", "_send")
+
+    def __init__(self, residual: torch.Tensor) -> None:
+        self.residual = residual
+        self._send: torch.Tensor | None = None
+
+    @classmethod
+    def zeros(cls, bucket: ParamBucket) -> _Residual:
+        return cls(torch.zeros(bucket.numel(), dtype=bucket.dtype, device=bucket.device))
+
+    def send_buffer(self, half_dtype: torch.dtype) -> torch.Tensor:
+        if self._send is None or self._send.dtype != half_dtype:
+            self._send = torch.empty_like(self.residual, dtype=half_dtype)
+        return self._send
+
+
+# Residuals of hooks registered with state None / a ProcessGroup: one per live bucket.
+_BUCKET_RESIDUALS: weakref.WeakKeyDictionary[ParamBucket, _Residual] = weakref.WeakKeyDictionary()
+
+
+class HalfDeltaState:
+    """Options and error-feedback memory for :func:`fp16_compress_hook` / :func:`bf16_compress_hook`.
+
+    Args:
+        process_group: group to average over; ``None`` means the default group.
+        error_feedback: carry each round's rounding residual into the next round's
+            delta (default ``True``). ``False`` gives the stateless behaviour of DDP's
+            ``fp16_compress_hook``, applied to the delta.
+
+    One state per registration: residuals are keyed by ``bucket.index()``.
+    ``state_dict()`` holds this rank's residuals (they differ between ranks).
+
+    Example:
+        >>> import torch
+        >>> from ddp_avg_hooks.hooks import HalfDeltaState
+        >>> state = HalfDeltaState(error_feedback=True)
+        >>> state.state_dict()
+        {'error_feedback': True, 'residuals': {}}
+        >>> HalfDeltaState(error_feedback="yes")
+        Traceback (most recent call last):
+        ...
+        TypeError: HalfDeltaState: error_feedback must be True or False, got 'yes'
+    """
+
+    __slots__ = ("process_group", "error_feedback", "_residuals")
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = True) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "HalfDeltaState: process_group must be None (the default group) or a "
+                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}"
+            )
+        if not isinstance(error_feedback, bool):
+            raise TypeError(
+                f"HalfDeltaState: error_feedback must be True or False, got {error_feedback!r}"
+            )
+        self.process_group = process_group
+        self.error_feedback = error_feedback
+        self._residuals: dict[int, _Residual] = {}
+
+    def _memory(self, bucket: ParamBucket) -> _Residual:
+        mem = self._residuals.get(bucket.index())
+        if mem is None:
+            mem = self._residuals[bucket.index()] = _Residual.zeros(bucket)
+        elif mem.residual.numel() != bucket.numel():
+            raise ValueError(
+                f"HalfDeltaState: bucket {bucket.index()} has {bucket.numel()} elements but "
+                f"the state holds a residual of {mem.residual.numel()}; use one state per "
+                "registration (and load checkpoints saved with the same model)"
+            )
+        elif (mem.residual.device, mem.residual.dtype) != (bucket.device, bucket.dtype):
+            mem.residual = mem.residual.to(device=bucket.device, dtype=bucket.dtype)
+        return mem
+
+    def state_dict(self) -> dict:
+        """This rank's residuals (``bucket.index() -> tensor``) and the option."""
+        return {
+            "error_feedback": self.error_feedback,
+            "residuals": {i: m.residual.clone() for i, m in sorted(self._residuals.items())},
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore residuals saved by :meth:`state_dict` (before or after the first round)."""
+        self.error_feedback = bool(state_dict.get("error_feedback", self.error_feedback))
+        for index, residual in state_dict.get("residuals", {}).items():
+            mem = self._residuals.get(int(index))
+            if mem is None:  # before the first round: adopted on first use
+                self._residuals[int(index)] = _Residual(residual.detach().clone())
+            elif mem.residual.numel() != residual.numel():
+                raise ValueError(
+                    f"HalfDeltaState.load_state_dict: bucket {index} holds "
+                    f"{mem.residual.numel()} elements, the checkpoint {residual.numel()}"
+                )
+            else:
+                mem.residual.copy_(residual)
+
+    def __getstate__(self) -> dict:  # process groups do not pickle
+        return {"error_feedback": self.error_feedback, "residuals": self.state_dict()["residuals"]}
+
+    def __setstate__(self, s: dict) -> None:
+        self.process_group, self.error_feedback, self._residuals = None, s["error_feedback"], {}
+        self.load_state_dict(s)
+
+    def __repr__(self) -> str:
+        return (
+            f"HalfDeltaState(process_group={self.process_group!r}, "
+            f"error_feedback={self.error_feedback})"
+        )
+
+
+def _group_and_memory(state, bucket: ParamBucket, name: str):
+    """(group, residual memory or None) for a hook call."""
+    if isinstance(state, HalfDeltaState):
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        return group, (state._memory(bucket) if state.error_feedback else None)
+    group = resolve_group(state, name)
+    mem = _BUCKET_RESIDUALS.get(bucket)
+    if mem is None:
+        mem = _BUCKET_RESIDUALS[bucket] = _Residual.zeros(bucket)
+    return group, mem
+
+
+def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype, name: str) -> torch.futures.Future:
+    group, mem = _group_and_memory(state, bucket, name)
+    if not is_member(group):
+        return completed(bucket.buffer())
+    scale = 1.0 / dist.get_world_size(group)
+    if mem is None:
+        send = bucket.delta(half_dtype, scale=scale)  # fused (anchor - params) / ws -> half
+    else:
+        corrected = bucket.delta(scale=scale).add_(mem.residual)  # bucket dtype, exact-ish
+        send = mem.send_buffer(half_dtype).copy_(corrected)  # the one rounding to half
+        mem.residual.copy_(corrected).sub_(send)  # what the rounding lost, sent next round
+    bucket.record_sent(send)
+    anchor, out = bucket.anchor(), bucket.buffer()
+    fut = dist.all_reduce(send, group=group, async_op=True).get_future()
+
+    def _decompress(fut: torch.futures.Future) -> torch.Tensor:
+        # new = anchor - sum(h), computed in the bucket dtype (half -> float is exact)
+        return torch.sub(anchor, fut.value()[0], out=out)
+
+    return fut.then(_decompress)
+
+
+def _validate(name: str):
+    def validate_state(state) -> None:
+        if not isinstance(state, HalfDeltaState):
+            try:
+                resolve_group(state, name)
+            except TypeError:
+                raise TypeError(
+                    f"{name}: state must be None (the default group), a "
+                    "torch.distributed.ProcessGroup or a HalfDeltaState(process_group=..., "
+                    f"error_feedback=...), got {type(state).__name__}"
+                ) from None
+
+    return validate_state
+
+
+@needs_anchor
+def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
+    """Average the parameter change since the last round, sent as float16.
+
+    ``new = anchor - allreduce(fp16(delta / world_size + e))`` with ``delta = anchor -
+    params`` and error feedback ``e`` (see the module docstring for where it lives and
+    the error bounds). The parameters never pass through half precision; the new
+    values are computed in the bucket's dtype. Sends 2 bytes per parameter.
+
+    Args:
+        state: ``None`` (default group, error feedback on), a ``ProcessGroup``, or a
+            :class:`HalfDeltaState` for options and checkpointable residuals.
+        bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
+
+    Returns:
+        A future of the new flat parameters (``bucket.buffer()``, overwritten).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=2)
+        >>> [handle.step() for _ in range(3)], handle.stats.bytes_sent  # 10 params x 2 bytes x 2 rounds
+        ([True, False, True], 40)
+        >>> handle.remove(); dist.destroy_process_group()
+    """
+    return _half_delta_hook(state, bucket, torch.float16, "fp16_compress_hook")
+
+
+@needs_anchor
+def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
+    """Average the parameter change since the last round, sent as bfloat16.
+
+    Same as :func:`fp16_compress_hook` with bfloat16 on the wire: float32's range (no
+    overflow risk) but 8 bits of mantissa, so error feedback matters more.
+
+    Args:
+        state: ``None``, a ``ProcessGroup`` or a :class:`HalfDeltaState`.
+        bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
+
+    Returns:
+        A future of the new flat parameters (``bucket.buffer()``, overwritten).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> state = dah.hooks.HalfDeltaState(error_feedback=False)
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.bf16_compress_hook, state)
+        >>> handle.step(), handle.stats.bytes_sent
+        (True, 20)
+        >>> handle.remove(); dist.destroy_process_group()
+    """
+    return _half_delta_hook(state, bucket, torch.bfloat16, "bf16_compress_hook")
+
+
+fp16_compress_hook.validate_state = _validate("fp16_compress_hook")
+bf16_compress_hook.validate_state = _validate("bf16_compress_hook")
