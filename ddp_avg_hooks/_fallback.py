@@ -89,7 +89,8 @@ def flatten(
             v.copy_(p)
         return out
     for v, p in zip(views, params):
-        v.copy_(p.to(_compute_dtype(p.dtype, out.dtype)).mul_(scale))
+        # out-of-place: p.to(...) is p itself when the dtype already matches
+        v.copy_(p.to(_compute_dtype(p.dtype, out.dtype)) * scale)
     return out
 
 
@@ -113,7 +114,7 @@ def delta(
     _check_flat(out, params, "out", "delta")
     for a, p, o in zip(_views(anchor, params), params, _views(out, params)):
         ct = _compute_dtype(a.dtype, p.dtype, o.dtype)
-        o.copy_(a.to(ct).sub_(p.to(ct)).mul_(scale))
+        o.copy_((a.to(ct) - p.to(ct)) * scale)  # out-of-place: never touch anchor or p
     return out
 
 

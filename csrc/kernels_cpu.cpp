@@ -1,0 +1,284 @@
+// CPU kernels for ddp_avg_hooks: loops over raw pointers, no torch headers.
+//
+// Each op walks a list of parameter segments (see kernels.h). The elements of the
+// whole list are split into equal ranges, one per thread (std::thread, at most
+// `num_threads`, which ops.cpp takes from at::get_num_threads()); small calls run on
+// the calling thread. Inner loops are branch-free integer/float code over
+// __restrict pointers so the compiler vectorizes them.
+//
+// fp16/bf16 conversions reproduce Tensor.to bit for bit for every non-NaN input
+// (round to nearest-even, subnormals, overflow to inf). NaN stays NaN with its sign for
+// fp16 (payload truncated like the x86 F16C instruction torch uses); float -> bf16
+// gives the canonical 0x7fc0 like c10's scalar conversion. Torch's own code paths
+// disagree on NaN payloads, so only "is NaN" is part of the contract.
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <system_error>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline uint32_t f2u(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float u2f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// IEEE half -> float (exact), after c10::detail::fp16_ieee_to_fp32_value.
+inline float half_to_float(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t r = two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized);
+  return u2f(sign | r);
+}
+
+// float -> IEEE half, round to nearest-even (F. Giesen's float_to_half_fast3_rtne,
+// made branch-free so it vectorizes).
+inline uint16_t float_to_half(float f) {
+  const uint32_t x = f2u(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  // normal result: rebias the exponent, round on bit 13 (carries into inf correctly)
+  const uint32_t normal = (ax + 0xC8000FFFu + ((ax >> 13) & 1u)) >> 13;
+  // subnormal or zero result: let the FPU round by adding 0.5f (aligns the mantissa)
+  const uint32_t subnormal = f2u(u2f(ax) + 0.5f) - 0x3F000000u;
+  const uint32_t nan = 0x7E00u | ((ax >> 13) & 0x3FFu);
+  uint32_t r = ax < 0x38800000u ? subnormal : normal;
+  r = ax >= 0x47800000u ? 0x7C00u : r;  // overflow -> inf
+  r = ax > 0x7F800000u ? nan : r;
+  return static_cast<uint16_t>(r | sign);
+}
+
+inline float bf16_to_float(uint16_t b) { return u2f(static_cast<uint32_t>(b) << 16); }
+
+// float -> bfloat16, round to nearest-even, as c10::detail::round_to_nearest_even.
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t u = f2u(f);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
+}
+
+struct F32 {
+  using T = float;
+  static float load(T x) { return x; }
+  static T store(float x) { return x; }
+};
+struct F16 {
+  using T = uint16_t;
+  static float load(T x) { return half_to_float(x); }
+  static T store(float x) { return float_to_half(x); }
+};
+struct BF16 {
+  using T = uint16_t;
+  static float load(T x) { return bf16_to_float(x); }
+  static T store(float x) { return float_to_bf16(x); }
+};
+
+// Calls f(F32{}) / f(F16{}) / f(BF16{}) for a dtype code.
+template <class Fn>
+bool dispatch(int dtype, Fn&& f) {
+  switch (dtype) {
+    case DAH_FLOAT32: f(F32{}); return true;
+    case DAH_FLOAT16: f(F16{}); return true;
+    case DAH_BFLOAT16: f(BF16{}); return true;
+    default: return false;
+  }
+}
+
+template <class D>
+using Ptr = typename D::T* __restrict;
+template <class D>
+using CPtr = const typename D::T* __restrict;
+
+// ---- the four inner loops: one segment slice of n elements ----
+template <class P, class A, bool kScale>
+void flatten_loop(CPtr<P> p, Ptr<A> a, int64_t n, float s) {
+  if constexpr (std::is_same_v<P, A> && !kScale) {
+    std::memcpy(a, p, static_cast<size_t>(n) * sizeof(typename P::T));
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      float x = P::load(p[j]);
+      if constexpr (kScale) x *= s;
+      a[j] = A::store(x);
+    }
+  }
+}
+
+template <class P, class A>
+void copy_loop(CPtr<A> a, Ptr<P> p, int64_t n) {
+  if constexpr (std::is_same_v<P, A>) {
+    std::memcpy(p, a, static_cast<size_t>(n) * sizeof(typename P::T));
+  } else {
+    for (int64_t j = 0; j < n; ++j) p[j] = P::store(A::load(a[j]));
+  }
+}
+
+template <class P, class A, class O>
+void delta_loop(CPtr<A> a, CPtr<P> p, Ptr<O> o, int64_t n, float s) {
+  for (int64_t j = 0; j < n; ++j) o[j] = O::store((A::load(a[j]) - P::load(p[j])) * s);
+}
+
+template <class P, class A>
+void apply_loop(CPtr<A> a, Ptr<P> p, Ptr<P> anchor, int64_t n) {
+  if constexpr (std::is_same_v<P, A>) {
+    std::memcpy(p, a, static_cast<size_t>(n) * sizeof(typename P::T));
+    std::memcpy(anchor, a, static_cast<size_t>(n) * sizeof(typename P::T));
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const typename P::T v = P::store(A::load(a[j]));
+      p[j] = v;
+      anchor[j] = v;
+    }
+  }
+}
+
+// ---- splitting a segment list over threads ----
+constexpr int64_t kGrain = int64_t{1} << 16;  // elements per thread at least
+constexpr int64_t kAlign = 256;               // range boundaries, in elements
+
+// Runs body(i, begin, end) over every segment slice, i.e. for segment i the elements
+// [begin, end) of that segment, spread over up to num_threads threads.
+template <class Body>
+int for_segments(const int64_t* numels, int64_t n, int num_threads, const Body& body) {
+  if (n < 0) return DAH_EARG;
+  std::vector<int64_t> start(static_cast<size_t>(n) + 1, 0);  // prefix sums
+  for (int64_t i = 0; i < n; ++i) {
+    if (numels[i] < 0) return DAH_EARG;
+    start[i + 1] = start[i] + numels[i];
+  }
+  const int64_t total = start[n];
+  auto run = [&](int64_t lo, int64_t hi) {
+    if (lo >= hi) return;
+    int64_t i = std::upper_bound(start.begin(), start.end(), lo) - start.begin() - 1;
+    for (; i < n && start[i] < hi; ++i) {
+      const int64_t b = std::max(lo, start[i]) - start[i];
+      const int64_t e = std::min(hi, start[i + 1]) - start[i];
+      if (b < e) body(i, b, e);
+    }
+  };
+  int64_t t = std::min<int64_t>(std::max(num_threads, 1), total / kGrain);
+  if (t <= 1) {
+    run(0, total);
+    return DAH_OK;
+  }
+  int64_t per = (total + t - 1) / t;
+  per = (per + kAlign - 1) / kAlign * kAlign;
+  std::vector<std::thread> workers;
+  workers.reserve(static_cast<size_t>(t - 1));
+  int64_t lo = per;  // the calling thread takes [0, per)
+  for (; lo < total; lo += per) {
+    const int64_t hi = std::min(total, lo + per);
+    try {
+      workers.emplace_back(run, lo, hi);
+    } catch (const std::system_error&) {
+      break;  // cannot start a thread: do the rest here
+    }
+  }
+  run(0, std::min(per, total));
+  if (lo < total) run(lo, total);
+  for (auto& w : workers) w.join();
+  return DAH_OK;
+}
+
+template <class D>
+typename D::T* at(void* base, int64_t off) {
+  return static_cast<typename D::T*>(base) + off;
+}
+template <class D>
+const typename D::T* at(const void* base, int64_t off) {
+  return static_cast<const typename D::T*>(base) + off;
+}
+
+}  // namespace
+
+extern "C" {
+
+int dah_flatten_cpu(const void* const* params, const int64_t* numels, const int64_t* offsets,
+                    int64_t n, int param_dtype, void* flat, int flat_dtype, int has_scale,
+                    float scale, int num_threads) {
+  int rc = DAH_EDTYPE;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(flat_dtype, [&](auto A) {
+      using PT = decltype(P);
+      using AT = decltype(A);
+      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+        const auto* p = at<PT>(params[i], b);
+        auto* a = at<AT>(flat, offsets[i] + b);
+        if (has_scale) flatten_loop<PT, AT, true>(p, a, e - b, scale);
+        else flatten_loop<PT, AT, false>(p, a, e - b, scale);
+      });
+    });
+  });
+  return rc;
+}
+
+int dah_unflatten_cpu(const void* flat, int flat_dtype, void* const* params,
+                      const int64_t* numels, const int64_t* offsets, int64_t n,
+                      int param_dtype, int num_threads) {
+  int rc = DAH_EDTYPE;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(flat_dtype, [&](auto A) {
+      using PT = decltype(P);
+      using AT = decltype(A);
+      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+        copy_loop<PT, AT>(at<AT>(flat, offsets[i] + b), at<PT>(params[i], b), e - b);
+      });
+    });
+  });
+  return rc;
+}
+
+int dah_delta_cpu(const void* anchor, int anchor_dtype, const void* const* params,
+                  const int64_t* numels, const int64_t* offsets, int64_t n, int param_dtype,
+                  void* out, int out_dtype, float scale, int num_threads) {
+  int rc = DAH_EDTYPE;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(anchor_dtype, [&](auto A) {
+      dispatch(out_dtype, [&](auto O) {
+        using PT = decltype(P);
+        using AT = decltype(A);
+        using OT = decltype(O);
+        rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+          delta_loop<PT, AT, OT>(at<AT>(anchor, offsets[i] + b), at<PT>(params[i], b),
+                                 at<OT>(out, offsets[i] + b), e - b, scale);
+        });
+      });
+    });
+  });
+  return rc;
+}
+
+int dah_apply_cpu(const void* flat, int flat_dtype, void* const* params, const int64_t* numels,
+                  const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
+                  int num_threads) {
+  int rc = DAH_EDTYPE;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(flat_dtype, [&](auto A) {
+      using PT = decltype(P);
+      using AT = decltype(A);
+      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+        const auto* a = at<AT>(flat, offsets[i] + b);
+        auto* p = at<PT>(params[i], b);
+        if (anchor != nullptr) apply_loop<PT, AT>(a, p, at<PT>(anchor, offsets[i] + b), e - b);
+        else copy_loop<PT, AT>(a, p, e - b);
+      });
+    });
+  });
+  return rc;
+}
+
+}  // extern "C"

@@ -1,0 +1,277 @@
+// CUDA kernels for ddp_avg_hooks: only CUDA headers, plain C entry points (kernels.h).
+//
+// One launch covers a list of up to DAH_CUDA_MAX_TENSORS parameters (longer lists take
+// a few launches): the list's pointers, sizes and flat offsets travel by value in the
+// kernel argument (apex's TensorListMetadata idea), each block handles one chunk of
+// kChunk elements of one parameter and finds it by binary search over the chunk
+// prefix. Inside a chunk a thread moves kVec elements per aligned vector load/store
+// when every pointer of the chunk is aligned, with a scalar tail; otherwise scalar.
+// Everything runs on the stream passed in, and errors come back as cudaError_t.
+//
+// Conversions use the same intrinsics as c10::Half / c10::BFloat16 on CUDA
+// (__float2half_rn, __float2bfloat16_rn: round to nearest-even), so results equal
+// Tensor.to bit for bit (NaN payloads aside); equal dtypes are copied as bits.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 4;     // elements per vector access
+constexpr int kUnroll = 4;  // vector accesses per thread per chunk
+constexpr int64_t kChunk = int64_t{kThreads} * kVec * kUnroll;  // elements per block
+
+enum Mode { kFlatten = 0, kUnflatten = 1, kDelta = 2, kApply = 3 };
+
+struct SegList {  // passed by value: ~1.3 KB of the 4 KB argument space
+  void* param[DAH_CUDA_MAX_TENSORS];
+  int64_t offset[DAH_CUDA_MAX_TENSORS];
+  int64_t numel[DAH_CUDA_MAX_TENSORS];
+  int64_t first_chunk[DAH_CUDA_MAX_TENSORS + 1];
+  int n;
+};
+
+struct F32 {
+  using T = float;
+  static __device__ __forceinline__ float load(T x) { return x; }
+  static __device__ __forceinline__ T store(float x) { return x; }
+};
+struct F16 {
+  using T = __half;
+  static __device__ __forceinline__ float load(T x) { return __half2float(x); }
+  static __device__ __forceinline__ T store(float x) { return __float2half_rn(x); }
+};
+struct BF16 {
+  using T = __nv_bfloat16;
+  static __device__ __forceinline__ float load(T x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ T store(float x) { return __float2bfloat16_rn(x); }
+};
+
+// In -> Out with one rounding; equal dtypes keep their bits.
+template <class Out, class In>
+__device__ __forceinline__ typename Out::T convert(typename In::T x) {
+  if constexpr (std::is_same<Out, In>::value) {
+    return x;
+  } else {
+    return Out::store(In::load(x));
+  }
+}
+
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <class T>
+__device__ __forceinline__ bool vec_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kVec) == 0;
+}
+
+// p: the parameter's slice; a: flat buffer A's slice (flatten/delta output, unflatten/apply
+// input); b: flat buffer B's slice (delta: the anchor, read; apply: the anchor, written,
+// may be null). Element j of the slice, `count` elements starting at j.
+template <int kMode, class P, class A, class B, bool kScale, int N>
+__device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typename B::T* b,
+                                         float s) {
+  using PT = typename P::T;
+  using AT = typename A::T;
+  using BT = typename B::T;
+  if constexpr (kMode == kFlatten) {
+    Vec<PT, N> in = *reinterpret_cast<const Vec<PT, N>*>(p);
+    Vec<AT, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      if constexpr (kScale) {
+        out.v[k] = A::store(P::load(in.v[k]) * s);
+      } else {
+        out.v[k] = convert<A, P>(in.v[k]);
+      }
+    }
+    *reinterpret_cast<Vec<AT, N>*>(a) = out;
+  } else if constexpr (kMode == kUnflatten) {
+    Vec<AT, N> in = *reinterpret_cast<const Vec<AT, N>*>(a);
+    Vec<PT, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out.v[k] = convert<P, A>(in.v[k]);
+    *reinterpret_cast<Vec<PT, N>*>(p) = out;
+  } else if constexpr (kMode == kDelta) {
+    Vec<BT, N> an = *reinterpret_cast<const Vec<BT, N>*>(b);
+    Vec<PT, N> pv = *reinterpret_cast<const Vec<PT, N>*>(p);
+    Vec<AT, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out.v[k] = A::store((B::load(an.v[k]) - P::load(pv.v[k])) * s);
+    *reinterpret_cast<Vec<AT, N>*>(a) = out;
+  } else {  // kApply: B is P
+    Vec<AT, N> in = *reinterpret_cast<const Vec<AT, N>*>(a);
+    Vec<PT, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out.v[k] = convert<P, A>(in.v[k]);
+    *reinterpret_cast<Vec<PT, N>*>(p) = out;
+    if (b != nullptr) *reinterpret_cast<Vec<PT, N>*>(b) = out;
+  }
+}
+
+template <int kMode, class P, class A, class B, bool kScale>
+__global__ void __launch_bounds__(kThreads)
+    seg_kernel(SegList list, void* flat_a, void* flat_b, float s) {
+  using PT = typename P::T;
+  using AT = typename A::T;
+  using BT = typename B::T;
+  const int64_t chunk = blockIdx.x;
+  int lo = 0, hi = list.n - 1;  // last i with first_chunk[i] <= chunk
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (list.first_chunk[mid] <= chunk) lo = mid;
+    else hi = mid - 1;
+  }
+  const int64_t begin = (chunk - list.first_chunk[lo]) * kChunk;
+  const int64_t rest = list.numel[lo] - begin;
+  const int64_t n = rest < kChunk ? rest : kChunk;
+  PT* p = static_cast<PT*>(list.param[lo]) + begin;
+  AT* a = static_cast<AT*>(flat_a) + list.offset[lo] + begin;
+  BT* b = flat_b == nullptr ? nullptr : static_cast<BT*>(flat_b) + list.offset[lo] + begin;
+
+  int64_t j = threadIdx.x;
+  if (vec_aligned<PT>(p) && vec_aligned<AT>(a) && (b == nullptr || vec_aligned<BT>(b))) {
+    const int64_t nv = n / kVec * kVec;
+#pragma unroll kUnroll
+    for (int64_t v = int64_t{threadIdx.x} * kVec; v < nv; v += int64_t{kThreads} * kVec)
+      do_elems<kMode, P, A, B, kScale, kVec>(p + v, a + v, b == nullptr ? nullptr : b + v, s);
+    j = nv + threadIdx.x;  // scalar tail
+  }
+  for (; j < n; j += kThreads)
+    do_elems<kMode, P, A, B, kScale, 1>(p + j, a + j, b == nullptr ? nullptr : b + j, s);
+}
+
+template <int kMode, class P, class A, class B, bool kScale>
+cudaError_t launch_list(void* const* params, const int64_t* numels, const int64_t* offsets,
+                        int64_t n, void* flat_a, void* flat_b, float s, cudaStream_t stream) {
+  if (n < 0) return cudaErrorInvalidValue;
+  SegList list;
+  list.n = 0;
+  int64_t chunks = 0;
+  cudaError_t err = cudaSuccess;
+  auto flush = [&]() {
+    if (list.n == 0) return;
+    list.first_chunk[list.n] = chunks;
+    seg_kernel<kMode, P, A, B, kScale>
+        <<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(list, flat_a, flat_b, s);
+    const cudaError_t e = cudaGetLastError();
+    if (err == cudaSuccess) err = e;
+    list.n = 0;
+    chunks = 0;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    if (numels[i] <= 0) continue;
+    const int64_t c = (numels[i] + kChunk - 1) / kChunk;
+    if (list.n == DAH_CUDA_MAX_TENSORS || chunks + c > int64_t{0x7fffffff}) flush();
+    if (c > int64_t{0x7fffffff}) return cudaErrorInvalidValue;
+    list.param[list.n] = params[i];
+    list.offset[list.n] = offsets[i];
+    list.numel[list.n] = numels[i];
+    list.first_chunk[list.n] = chunks;
+    chunks += c;
+    ++list.n;
+  }
+  flush();
+  return err;
+}
+
+template <class Fn>
+bool dispatch(int dtype, Fn&& f) {
+  switch (dtype) {
+    case DAH_FLOAT32: f(F32{}); return true;
+    case DAH_FLOAT16: f(F16{}); return true;
+    case DAH_BFLOAT16: f(BF16{}); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int dah_flatten_cuda(const void* const* params, const int64_t* numels, const int64_t* offsets,
+                     int64_t n, int param_dtype, void* flat, int flat_dtype, int has_scale,
+                     float scale, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  void* const* ps = const_cast<void* const*>(params);  // read only in kFlatten
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(flat_dtype, [&](auto A) {
+      using PT = decltype(P);
+      using AT = decltype(A);
+      auto st = static_cast<cudaStream_t>(stream);
+      err = has_scale
+                ? launch_list<kFlatten, PT, AT, F32, true>(ps, numels, offsets, n, flat,
+                                                           nullptr, scale, st)
+                : launch_list<kFlatten, PT, AT, F32, false>(ps, numels, offsets, n, flat,
+                                                            nullptr, scale, st);
+    });
+  });
+  return static_cast<int>(err);
+}
+
+int dah_unflatten_cuda(const void* flat, int flat_dtype, void* const* params,
+                       const int64_t* numels, const int64_t* offsets, int64_t n,
+                       int param_dtype, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(flat_dtype, [&](auto A) {
+      using PT = decltype(P);
+      using AT = decltype(A);
+      err = launch_list<kUnflatten, PT, AT, F32, false>(
+          params, numels, offsets, n, const_cast<void*>(flat), nullptr, 1.0f,
+          static_cast<cudaStream_t>(stream));
+    });
+  });
+  return static_cast<int>(err);
+}
+
+int dah_delta_cuda(const void* anchor, int anchor_dtype, const void* const* params,
+                   const int64_t* numels, const int64_t* offsets, int64_t n, int param_dtype,
+                   void* out, int out_dtype, float scale, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  void* const* ps = const_cast<void* const*>(params);  // read only in kDelta
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(anchor_dtype, [&](auto B) {
+      dispatch(out_dtype, [&](auto A) {
+        using PT = decltype(P);
+        using BT = decltype(B);
+        using AT = decltype(A);
+        err = launch_list<kDelta, PT, AT, BT, true>(ps, numels, offsets, n, out,
+                                                    const_cast<void*>(anchor), scale,
+                                                    static_cast<cudaStream_t>(stream));
+      });
+    });
+  });
+  return static_cast<int>(err);
+}
+
+int dah_apply_cuda(const void* flat, int flat_dtype, void* const* params, const int64_t* numels,
+                   const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
+                   void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(flat_dtype, [&](auto A) {
+      using PT = decltype(P);
+      using AT = decltype(A);
+      err = launch_list<kApply, PT, AT, PT, false>(params, numels, offsets, n,
+                                                   const_cast<void*>(flat), anchor, 1.0f,
+                                                   static_cast<cudaStream_t>(stream));
+    });
+  });
+  return static_cast<int>(err);
+}
+
+const char* dah_cuda_error_string(int code) {
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"

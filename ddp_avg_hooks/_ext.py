@@ -1,0 +1,126 @@
+"""Find, build or load the C++/CUDA extension (``csrc/``); ``None`` when it can't be had.
+
+:func:`load_extension` is called lazily by ``ops`` (first op call or ``ops.backend()``),
+never when the package is imported. In order:
+
+1. ``DDP_AVG_HOOKS_DISABLE_EXT=1`` (any value but ``""``/``"0"``): return ``None``.
+2. A prebuilt ``ddp_avg_hooks._C`` module, if one is installed.
+3. A JIT build with ``torch.utils.cpp_extension.load`` from the sources in
+   ``ddp_avg_hooks/csrc`` (a symlink to the repository's ``csrc/``, so editable installs
+   and wheels both find them). The CUDA kernels are compiled in only when
+   ``torch.cuda.is_available()`` and a CUDA toolkit (``CUDA_HOME``) is found.
+
+   The build lives in ``$TORCH_EXTENSIONS_DIR`` (else torch's default cache) under a
+   folder keyed by Python version, torch version and build, accelerator and machine
+   type, so ABI-incompatible builds never share a folder. ``make ext`` fills it once;
+   later processes only load it (ninja finds nothing to do, ~0.1 s). When several
+   processes (DDP ranks) load at once, torch's ``FileBaton`` lock file in the build
+   folder lets one build while the others wait. A build killed midway can leave that
+   ``lock`` file behind; delete it if a load hangs.
+
+Any failure is reported once with ``warnings.warn`` (the reason included) and gives
+``None``, so ``ops`` falls back to the pure-PyTorch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+ENV_DISABLE = "DDP_AVG_HOOKS_DISABLE_EXT"
+_NAME = "ddp_avg_hooks_C"
+_CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp")
+_CUDA_SOURCES = ("kernels_cuda.cu",)
+
+
+def disabled() -> bool:
+    """Whether ``DDP_AVG_HOOKS_DISABLE_EXT`` asks for the fallback."""
+    return os.environ.get(ENV_DISABLE, "") not in ("", "0")
+
+
+def source_dir() -> Path:
+    """The folder holding ``ops.cpp`` and the kernels."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if (cand / "ops.cpp").is_file():
+            return cand
+    raise FileNotFoundError(f"csrc/ops.cpp not found under {here} or {here.parent}")
+
+
+def _want_cuda() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.cuda.is_available() and CUDA_HOME is not None
+
+
+def build_directory(with_cuda: bool) -> Path:
+    """Where the JIT build of this Python, torch and accelerator goes."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    if torch.version.cuda is not None:
+        accel = "cu" + torch.version.cuda.replace(".", "")
+    elif torch.version.hip is not None:
+        accel = "rocm" + torch.version.hip.replace(".", "")
+    else:
+        accel = "cpu"
+    py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    torch_tag = torch.__version__.replace("+", "_")
+    key = f"{py}_{accel}_torch{torch_tag}_{platform.machine()}"
+    return Path(root) / key / (_NAME + ("_cuda" if with_cuda else ""))
+
+
+def _jit_build(verbose: bool = False) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    src = source_dir()
+    with_cuda = _want_cuda()
+    sources = [str(src / f) for f in _CPP_SOURCES]
+    cflags = ["-O3"]
+    cuda_flags = ["-O3"]
+    if with_cuda:
+        sources += [str(src / f) for f in _CUDA_SOURCES]
+        cflags.append("-DDAH_WITH_CUDA")
+        cuda_flags.append("-DDAH_WITH_CUDA")
+    build_dir = build_directory(with_cuda)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=_NAME + ("_cuda" if with_cuda else ""),
+        sources=sources,
+        extra_cflags=cflags,
+        extra_cuda_cflags=cuda_flags,
+        extra_include_paths=[str(src)],
+        build_directory=str(build_dir),
+        with_cuda=with_cuda,
+        verbose=verbose,
+    )
+
+
+@functools.cache
+def load_extension() -> ModuleType | None:
+    """The compiled ops module, or ``None`` (disabled or unavailable; warns once why)."""
+    if disabled():
+        return None
+    try:
+        return importlib.import_module("ddp_avg_hooks._C")
+    except ImportError:
+        pass
+    try:
+        return _jit_build(verbose=os.environ.get("DDP_AVG_HOOKS_VERBOSE_BUILD", "") == "1")
+    except Exception as e:  # noqa: BLE001 - any build/load problem means "use the fallback"
+        warnings.warn(
+            f"ddp_avg_hooks: the C++ extension could not be built or loaded, using the "
+            f"pure-PyTorch fallback ops ({type(e).__name__}: {e}). "
+            f"Set {ENV_DISABLE}=1 to skip the attempt.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
