@@ -120,6 +120,7 @@ class ParamBucket:
             )
         return self._anchor
 
+    @torch.no_grad()
     def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0) -> torch.Tensor:
         """``(anchor() - parameters) * scale`` cast to ``dtype``, in one fused pass.
 
@@ -142,14 +143,17 @@ class ParamBucket:
         self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
     # --- used by the registry --------------------------------------------------------
+    @torch.no_grad()
     def load_parameters(self) -> torch.Tensor:
         """Copy the live parameters into :meth:`buffer` and return it."""
         return ops.flatten(self._params, self._buffer)
 
+    @torch.no_grad()
     def write_back(self, values: torch.Tensor) -> None:
         """Copy ``values`` into the parameters in place (and into the anchor, if kept)."""
         ops.apply_(values.reshape(-1), self._params, self._anchor)
 
+    @torch.no_grad()
     def reset_anchor(self) -> None:
         """Make the current parameters the anchor (a no-op without anchors)."""
         if self._anchor is not None:

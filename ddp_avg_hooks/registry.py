@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .bucket import ParamBucket, assign_buckets, hook_attribute
+from .hooks._comm import is_group, is_member
 
 _OPTIONS = ("keep_anchor", "check_finite", "verify", "process_group")
 
@@ -48,14 +49,10 @@ def _resolve_process_group(state, explicit) -> dist.ProcessGroup:
     """The group whose ranks must agree: explicit, else the hook state's, else WORLD."""
     if explicit is not None:
         return explicit
-    if isinstance(state, dist.ProcessGroup):
+    if is_group(state):
         return state
     group = getattr(state, "process_group", None)
-    return group if isinstance(group, dist.ProcessGroup) else dist.group.WORLD
-
-
-def _in_group(group: dist.ProcessGroup) -> bool:
-    return group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0
+    return group if is_group(group) else dist.group.WORLD
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:
@@ -214,7 +211,7 @@ class AveragingHandle:
         return value
 
     def _verify_agreement(self) -> None:
-        if not _in_group(self.process_group):
+        if not is_member(self.process_group):
             return
         local = torch.stack(
             [_checksum(bucket.load_parameters()) for bucket in self._buckets]
@@ -307,7 +304,7 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 def _agree_across_ranks(handle: AveragingHandle, group: dist.ProcessGroup) -> None:
     """Every rank of ``group`` checks that all registered the same thing."""
-    if not _in_group(group) or dist.get_world_size(group) == 1:
+    if not is_member(group) or dist.get_world_size(group) == 1:
         return
     mine = handle._config()
     gathered: list = [None] * dist.get_world_size(group)

@@ -13,7 +13,7 @@ def resolve_group(state: object, hook_name: str) -> dist.ProcessGroup:
     """
     if state is None:
         return dist.group.WORLD
-    if isinstance(state, dist.ProcessGroup):
+    if is_group(state):
         return state
     raise TypeError(
         f"{hook_name}: state must be None (the default group) or a "
@@ -21,9 +21,20 @@ def resolve_group(state: object, hook_name: str) -> dist.ProcessGroup:
     )
 
 
-def is_member(group: dist.ProcessGroup) -> bool:
+def _is_non_member_marker(obj: object) -> bool:
+    # what dist.new_group() returns on ranks outside the group
+    marker = dist.GroupMember.NON_GROUP_MEMBER
+    return obj is marker or (type(obj) is type(marker) and obj == marker)
+
+
+def is_group(obj: object) -> bool:
+    """A process group, or the marker ``new_group`` hands to ranks outside one."""
+    return isinstance(obj, dist.ProcessGroup) or _is_non_member_marker(obj)
+
+
+def is_member(group) -> bool:
     """Whether this rank belongs to ``group`` (ranks outside it leave parameters alone)."""
-    return group is not dist.GroupMember.NON_GROUP_MEMBER and dist.get_rank(group) >= 0
+    return not _is_non_member_marker(group) and dist.get_rank(group) >= 0
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future:

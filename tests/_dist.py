@@ -1,0 +1,64 @@
+"""Run a function on several spawned gloo ranks, with deadlines so nothing can hang.
+
+``run_ranks(fn, world_size, **kw)`` starts ``world_size`` processes on 127.0.0.1 with
+an OS-chosen port, runs ``fn(rank, world_size, **kw)`` in each after
+``init_process_group`` (with a process-group timeout), and returns the per-rank
+results (loaded through files: tensors on an mp queue die with their process).
+A failing rank re-raises in the parent; ranks still running at the deadline are
+killed and ``TimeoutError`` is raised.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PG_TIMEOUT_S = float(os.environ.get("DAH_TEST_PG_TIMEOUT", "20"))
+
+
+def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: float | None = None,
+              env: dict | None = None, **kw):
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    out = tempfile.mkdtemp(prefix="dah_ranks_")
+    pg_timeout = PG_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
+    try:
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, store.port, out, pg_timeout, env or {}, kw),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout_s}s")
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
+                for r in range(world_size)]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        del store
+
+
+def _entry(rank, fn, world_size, port, out, pg_timeout, env, kw):
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                          timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=pg_timeout))
+    try:
+        result = fn(rank, world_size, **kw)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,374 @@
+"""The fused bucket ops: extension and fallback agree bit for bit with plain torch.
+
+Every op runs under both implementations ("ext": the compiled module called directly,
+asserting that it handled the call; "fallback": ``_fallback``) and is compared with a
+reference computed here from ``torch.cat`` / ``Tensor.to``. Values mix random bit
+patterns (every class of float: subnormals, nan, inf, huge) with hand-picked rounding
+ties and values beyond fp16's range. NaN payloads are not compared (torch's own code
+paths disagree on them); everything else, signed zeros included, must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_avg_hooks import _ext, _fallback, ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
+_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+        torch.float64: torch.int64}
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+REPO = Path(__file__).resolve().parent.parent
+
+# Rounding ties, range limits and special values (exact as float32).
+SPECIALS = torch.tensor(
+    [0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
+     65504.0, 65519.99609375, 65520.0, -65520.0, 65536.0, 7e4, -1e5, 3.4e38, -3.4e38,
+     1e-40, -1e-45, 1.1754942e-38,                    # float32 subnormals / min normal
+     2.0**-24, 2.0**-25, 3 * 2.0**-25, -(2.0**-25), 6.1035156e-05, 6.0975552e-05,  # fp16 subnormal ties
+     1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8),  # fp16 / bf16 ties
+     3.3895314e38, 3.4028235e38, 1e-8, -5.9604645e-08],
+    dtype=torch.float32,
+)
+SCALES = [None, 1.0 / 3.0, 2.0**-10, 1e30]
+
+
+# ---------------------------------------------------------------- helpers
+
+def assert_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Same dtype and shape; equal bits wherever ``expected`` is not NaN, NaN where it is."""
+    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    a, e = actual.detach().cpu().contiguous(), expected.detach().cpu().contiguous()
+    nan = e.isnan()
+    assert torch.equal(a.isnan(), nan), f"{what}: NaN positions differ"
+    it = _INT[a.dtype]
+    same = (a.view(it) == e.view(it)) | nan
+    if not bool(same.all()):
+        i = int((~same).reshape(-1).nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int((~same).sum())} elements differ, first at {i}: "
+            f"{a.reshape(-1)[i].item()!r} vs expected {e.reshape(-1)[i].item()!r}"
+        )
+
+
+def values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """n values of ``dtype``: specials first, then random bits and random magnitudes."""
+    g = torch.Generator().manual_seed(seed)
+    it = _INT[dtype]
+    info = torch.iinfo(it)
+    bits = torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(it)
+    scale = torch.exp2(torch.randint(-30, 20, (n,), generator=g).double())
+    normal = (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x = torch.where(torch.rand(n, generator=g) < 0.5, normal, bits.view(dtype))
+    k = min(n, len(SPECIALS))
+    start = seed % max(1, n - k + 1)
+    x[start : start + k] = SPECIALS[:k].to(dtype)
+    return x
+
+
+def make_params(case: str, dtype: torch.dtype, device: str, seed: int = 0) -> list[torch.Tensor]:
+    """A parameter list for one test case; every tensor filled by ``values``."""
+    def fill(t: torch.Tensor, s: int) -> torch.Tensor:
+        with torch.no_grad():
+            t.copy_(values(t.numel(), dtype, s).view(t.shape))
+        return t
+
+    def new(*shape: int, s: int) -> torch.Tensor:
+        return fill(torch.empty(shape, dtype=dtype, device=device), s)
+
+    if case == "empty":
+        return [torch.empty(0, dtype=dtype, device=device), torch.empty(0, 3, dtype=dtype, device=device)]
+    if case == "one":
+        return [new(1, s=seed), fill(torch.empty((), dtype=dtype, device=device), seed + 1)]
+    if case == "odd":
+        return [new(7, s=seed), new(3, 5, s=seed + 1), new(1, s=seed + 2), new(13, 7, 3, s=seed + 3)]
+    if case == "noncontig":
+        cl = new(2, 3, 5, 7, s=seed).contiguous(memory_format=torch.channels_last)
+        t = new(5, 9, s=seed + 1).t()                        # transposed
+        st = new(40, s=seed + 2)[1::3]                       # strided, with storage offset
+        off = new(17, s=seed + 3)[1:]                        # contiguous, odd storage offset
+        return [cl, new(3, s=seed + 4), t, st, off]
+    if case == "many":  # more tensors than one CUDA launch takes
+        return [new(1 + (7 * i) % 23, s=seed + i) for i in range(100)]
+    if case == "large":  # ~1M elements, several threads
+        return [new(1000, 1000, s=seed), new(48_577, s=seed + 1), new(3, s=seed + 2)]
+    raise ValueError(case)
+
+
+CASES = ["empty", "one", "odd", "noncontig", "many", "large"]
+
+
+def numel(ps: list[torch.Tensor]) -> int:
+    return sum(p.numel() for p in ps)
+
+
+def ref_flatten(ps, out_dtype, scale):
+    parts = [p.reshape(-1) if scale is None else p.reshape(-1).float() * scale for p in ps]
+    return torch.cat([x.to(out_dtype) for x in parts]) if parts else torch.empty(0, dtype=out_dtype)
+
+
+def ref_split(flat, ps):
+    out, off = [], 0
+    for p in ps:
+        out.append(flat[off : off + p.numel()].view(p.shape).to(p.dtype))
+        off += p.numel()
+    return out
+
+
+# ---------------------------------------------------------------- implementations
+
+def _ext_module():
+    m = _ext.load_extension()
+    if m is None:
+        reason = ("DDP_AVG_HOOKS_DISABLE_EXT is set" if _ext.disabled()
+                  else "the C++ extension could not be built or loaded (see the warning)")
+        pytest.skip(reason)
+    return m
+
+
+class _Ext:
+    """The extension called directly: fails if it hands a supported call back."""
+
+    def __init__(self, m):
+        self.m = m
+
+    def flatten(self, params, out, scale=None):
+        assert self.m.flatten(params, out, scale), "extension declined a supported call"
+        return out
+
+    def unflatten_(self, flat, params):
+        assert self.m.unflatten_(flat, params), "extension declined a supported call"
+
+    def delta(self, anchor, params, out, scale=1.0):
+        assert self.m.delta(anchor, params, out, scale), "extension declined a supported call"
+        return out
+
+    def apply_(self, flat, params, anchor=None):
+        assert self.m.apply_(flat, params, anchor), "extension declined a supported call"
+
+
+@pytest.fixture(params=["ext", "fallback"])
+def impl(request):
+    return _Ext(_ext_module()) if request.param == "ext" else _fallback
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request, impl):
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        if isinstance(impl, _Ext) and not impl.m.with_cuda():
+            pytest.skip("extension built without CUDA")
+    return request.param
+
+
+@pytest.fixture
+def threads(request):
+    """Two CPU threads for the large case (the extension splits work over threads)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def _ids(pair):
+    return f"{_SHORT[pair[0]]}-{_SHORT[pair[1]]}"
+
+
+# ---------------------------------------------------------------- correctness
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+def test_flatten(impl, device, case, pair, threads):
+    pd, od = pair
+    ps = make_params(case, pd, device, seed=1)
+    before = [p.clone() for p in ps]
+    scales = SCALES if case in ("odd", "noncontig", "large") else [None, 1.0 / 3.0]
+    for scale in scales:
+        out = torch.full((numel(ps),), 7.0, dtype=od, device=device)
+        assert impl.flatten(ps, out, scale=scale) is out
+        assert_bits(out, ref_flatten(ps, od, scale), f"flatten scale={scale}")
+    for p, b in zip(ps, before):  # inputs untouched
+        assert_bits(p, b, "flatten modified a parameter")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+def test_unflatten(impl, device, case, pair, threads):
+    pd, fd = pair
+    ps = make_params(case, pd, device, seed=2)
+    layout = [(p.data_ptr(), p.stride()) for p in ps]
+    flat = values(numel(ps), fd, seed=3).to(device)
+    flat_before = flat.clone()
+    assert impl.unflatten_(flat, ps) is None
+    for i, (p, e) in enumerate(zip(ps, ref_split(flat, ps))):
+        assert_bits(p, e, f"unflatten params[{i}]")
+    assert [(p.data_ptr(), p.stride()) for p in ps] == layout  # in place, layout kept
+    assert_bits(flat, flat_before, "unflatten modified flat")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pd", DTYPES, ids=_SHORT.get)
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+def test_delta(impl, device, case, pd, pair, threads):
+    ad, od = pair  # anchor dtype, out dtype
+    if case in ("empty", "one", "many") and pd != ad:
+        pytest.skip("small cases: anchor dtype == param dtype is enough")
+    ps = make_params(case, pd, device, seed=4)
+    anchor = values(numel(ps), ad, seed=5).to(device)
+    for scale in (1.0, 0.125, 1.0 / 3.0):
+        out = torch.empty(numel(ps), dtype=od, device=device)
+        assert impl.delta(anchor, ps, out, scale=scale) is out
+        cat = torch.cat([p.reshape(-1).float() for p in ps]) if ps else torch.empty(0, device=device)
+        expected = ((anchor.float() - cat) * scale).to(od)
+        assert_bits(out, expected, f"delta scale={scale}")
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("pair", PAIRS, ids=_ids)
+@pytest.mark.parametrize("with_anchor", [True, False], ids=["anchor", "no_anchor"])
+def test_apply(impl, device, case, pair, with_anchor, threads):
+    pd, fd = pair
+    ps = make_params(case, pd, device, seed=6)
+    ptrs = [p.data_ptr() for p in ps]
+    flat = values(numel(ps), fd, seed=7).to(device)
+    anchor = torch.empty(numel(ps), dtype=pd, device=device) if with_anchor else None
+    assert impl.apply_(flat, ps, anchor) is None
+    expected = ref_split(flat, ps)
+    for i, (p, e) in enumerate(zip(ps, expected)):
+        assert_bits(p, e, f"apply params[{i}]")
+    assert [p.data_ptr() for p in ps] == ptrs
+    if with_anchor:
+        cat = torch.cat([p.reshape(-1) for p in ps]) if ps else torch.empty(0, dtype=pd, device=device)
+        assert_bits(anchor, cat, "apply anchor")
+
+
+def test_mixed_param_dtypes(impl, device):
+    """One call over parameters of several dtypes (the extension groups them)."""
+    ps = [make_params("odd", d, device, seed=i)[i % 4] for i, d in enumerate(DTYPES * 2)]
+    out = torch.empty(numel(ps), dtype=torch.bfloat16, device=device)
+    impl.flatten(ps, out, scale=0.5)
+    assert_bits(out, ref_flatten(ps, torch.bfloat16, 0.5), "flatten mixed")
+    flat = values(numel(ps), torch.float32, seed=9).to(device)
+    impl.unflatten_(flat, ps)
+    for i, (p, e) in enumerate(zip(ps, ref_split(flat, ps))):
+        assert_bits(p, e, f"unflatten mixed params[{i}]")
+
+
+def test_bumps_version_counter(impl):
+    ps = [torch.zeros(3), torch.zeros(2, 2).t()]
+    out = torch.empty(7)
+    v = [p._version for p in ps]
+    impl.unflatten_(torch.ones(7), ps)
+    assert all(p._version > w for p, w in zip(ps, v))
+    vo = out._version
+    impl.flatten(ps, out)
+    assert out._version > vo
+
+
+# ---------------------------------------------------------------- errors
+
+def _bad_calls():
+    f32, f16 = torch.float32, torch.float16
+    p = [torch.ones(3), torch.ones(2, 2)]
+    return {
+        "flatten-size": lambda m: m.flatten(p, torch.empty(6)),
+        "flatten-2d": lambda m: m.flatten(p, torch.empty(7, 1)),
+        "flatten-strided": lambda m: m.flatten(p, torch.empty(14)[::2]),
+        "flatten-int-param": lambda m: m.flatten([torch.ones(3, dtype=torch.int32)], torch.empty(3)),
+        "flatten-int-out": lambda m: m.flatten(p, torch.empty(7, dtype=torch.int64)),
+        "flatten-f64-size": lambda m: m.flatten([torch.ones(3, dtype=torch.float64)], torch.empty(4)),
+        "flatten-device": lambda m: m.flatten([torch.ones(3, device="meta")], torch.empty(3)),
+        "flatten-not-tensor": lambda m: m.flatten([torch.ones(3), 1.0], torch.empty(4)),
+        "flatten-out-not-tensor": lambda m: m.flatten(p, [0.0] * 7),
+        "unflatten-size": lambda m: m.unflatten_(torch.empty(8), p),
+        "unflatten-bool": lambda m: m.unflatten_(torch.empty(7, dtype=torch.bool), p),
+        "delta-anchor-size": lambda m: m.delta(torch.empty(6), p, torch.empty(7)),
+        "delta-out-size": lambda m: m.delta(torch.empty(7), p, torch.empty(8, dtype=f16)),
+        "delta-out-int": lambda m: m.delta(torch.empty(7), p, torch.empty(7, dtype=torch.int8)),
+        "apply-anchor-dtype": lambda m: m.apply_(torch.empty(7), p, torch.empty(7, dtype=f16)),
+        "apply-anchor-size": lambda m: m.apply_(torch.empty(7, dtype=f32), p, torch.empty(6)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_calls()))
+def test_same_error_type(name):
+    call = _bad_calls()[name]
+    with pytest.raises((TypeError, ValueError)) as ref:
+        call(_fallback)
+    m = _ext_module()
+    with pytest.raises(ref.type) as got:
+        call(m)
+    assert type(got.value) is ref.type
+    with pytest.raises(ref.type):  # and through the public dispatch
+        call(ops)
+
+
+# ---------------------------------------------------------------- dispatch and loading
+
+def test_ops_dispatch_float64_and_backend():
+    m = _ext.load_extension()
+    assert ops.backend() == ("extension" if m is not None else "fallback")
+    ps = [torch.arange(3.0, dtype=torch.float64), torch.ones(2, dtype=torch.float16)]
+    out = torch.empty(5, dtype=torch.float32)
+    if m is not None:
+        assert m.flatten(ps, out, 2.0) is False  # float64 is handed to the fallback
+    ops.flatten(ps, out, scale=2.0)
+    assert out.tolist() == [0.0, 2.0, 4.0, 2.0, 2.0]
+    ops.unflatten_(torch.arange(5.0), (p for p in ps))  # any iterable of tensors
+    assert ps[0].tolist() == [0.0, 1.0, 2.0] and ps[1].tolist() == [3.0, 4.0]
+
+
+def test_no_build_at_import_and_disable_env():
+    code = (
+        "import sys, ddp_avg_hooks, ddp_avg_hooks.ops as ops\n"
+        "assert not any(k.startswith('ddp_avg_hooks_C') for k in sys.modules), 'loaded at import'\n"
+        "assert ops.backend() == 'fallback'\n"
+        "import torch; o = ops.flatten([torch.ones(2)], torch.empty(2, dtype=torch.half), 0.5)\n"
+        "assert o.tolist() == [0.5, 0.5]\n"
+    )
+    env = dict(os.environ, DDP_AVG_HOOKS_DISABLE_EXT="1", OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO, timeout=120)
+
+
+def test_failed_build_warns_once(monkeypatch):
+    def boom(verbose=False):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.delenv(_ext.ENV_DISABLE, raising=False)
+    monkeypatch.setattr(_ext, "_jit_build", boom)
+    monkeypatch.setattr(_ext, "_PREBUILT", "ddp_avg_hooks._no_such_module")
+    _ext.load_extension.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no compiler here"):
+            assert _ext.load_extension() is None
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert _ext.load_extension() is None  # cached: no second warning
+    finally:
+        _ext.load_extension.cache_clear()
+
+
+def test_sources_found():
+    src = _ext.source_dir()
+    assert {"kernels.h", "ops.cpp", "kernels_cpu.cpp", "kernels_cuda.cu"} <= {f.name for f in src.iterdir()}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_cuda_kernels_compile_alone(tmp_path):
+    """kernels_cuda.cu needs only the CUDA headers: plain `nvcc -c` compiles it."""
+    r = subprocess.run(
+        ["nvcc", "-std=c++17", "-c", str(REPO / "csrc" / "kernels_cuda.cu"), "-o", str(tmp_path / "k.o")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]

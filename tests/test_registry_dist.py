@@ -1,0 +1,353 @@
+"""The registry on 2 and 3 spawned gloo ranks, checked against independent references:
+a single-process computation in the parent, plain DDP, and PyTorch's own averagers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from _dist import run_ranks
+
+LR = 0.05
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+
+
+def loss_of(model, rank, step):
+    x, y = batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_step(model, opt, rank, step):
+    opt.zero_grad()
+    loss_of(model, rank, step).backward()
+    opt.step()
+
+
+# --- period 1 == DDP gradient averaging ----------------------------------------------
+def _rank_period1(rank, world_size, steps):
+    ours, plain = make_model(), make_model()
+    ddp, ddp_plain = DDP(ours), DDP(plain)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=1)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    opt_plain = torch.optim.SGD(ddp_plain.parameters(), lr=LR)
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+        handle.step()
+        train_step(ddp_plain, opt_plain, rank, step)
+    return {"ours": params_of(ours), "ddp": params_of(plain), "rounds": handle.stats.rounds}
+
+
+def _reference_gradient_averaging(world_size, steps):
+    model = make_model()
+    for step in range(steps):
+        grads = []
+        for r in range(world_size):
+            model.zero_grad()
+            loss_of(model, r, step).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= LR * torch.stack([g[i] for g in grads]).mean(0)
+    return params_of(model)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_period_one_equals_ddp_gradient_averaging(world_size):
+    steps = 6
+    results = run_ranks(_rank_period1, world_size, steps=steps)
+    reference = _reference_gradient_averaging(world_size, steps)
+    for res in results:
+        assert res["rounds"] == steps
+        for ours, ddp, ref in zip(res["ours"], res["ddp"], reference):
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours, ddp, rtol=1e-5, atol=1e-6)
+
+
+# --- identical to PeriodicModelAverager + post_localSGD_hook --------------------------
+def _rank_torch_parity(rank, world_size, steps, period, warmup):
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState,
+        post_localSGD_hook,
+    )
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    ours, theirs = make_model(), make_model()
+    ddp_ours, ddp_theirs = DDP(ours), DDP(theirs)
+    handle = dah.register_averaging_hook(ddp_ours, dah.hooks.allreduce_hook, None,
+                                         period=period, warmup_steps=warmup)
+    ddp_ours.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    ddp_theirs.register_comm_hook(
+        PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD,
+                          start_localSGD_iter=warmup, post_local_gradient_allreduce=False),
+        post_localSGD_hook,
+    )
+    averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+    opt_ours = torch.optim.SGD(ddp_ours.parameters(), lr=LR, momentum=0.9)
+    opt_theirs = torch.optim.SGD(ddp_theirs.parameters(), lr=LR, momentum=0.9)
+    equal, averaged = [], []
+    for step in range(steps):
+        train_step(ddp_ours, opt_ours, rank, step)
+        averaged.append(handle.step())
+        train_step(ddp_theirs, opt_theirs, rank, step)
+        averager.average_parameters(ddp_theirs.parameters())
+        equal.append(all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters())))
+    return {"equal": equal, "averaged": averaged, "params": params_of(ours)}
+
+
+def test_identical_to_periodic_model_averager_with_warmup_and_momentum():
+    steps, period, warmup = 12, 3, 4
+    results = run_ranks(_rank_torch_parity, 2, steps=steps, period=period, warmup=warmup)
+    for res in results:
+        assert all(res["equal"]), f"diverged from PyTorch at steps {res['equal']}"
+        assert res["averaged"] == [s >= warmup and (s - warmup) % period == 0 for s in range(steps)]
+    # and local SGD really happened: ranks differed between rounds
+    assert not all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"])) \
+        or results[0]["averaged"][-1]
+
+
+# --- ranks identical right after a round, different between rounds -------------------
+def _rank_identical_after_rounds(rank, world_size, steps, period):
+    model = make_model()
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=period)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    snaps = []
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+        handle.step()
+        snaps.append(params_of(model))
+    assert ptrs == [p.data_ptr() for p in model.parameters()]
+    return snaps
+
+
+def _reference_local_sgd(world_size, steps, period, opt_factory=None, warmup=0):
+    """Replicas trained one after another; averaged with torch.stack().mean(0)."""
+    opt_factory = opt_factory or (lambda ps: torch.optim.SGD(ps, lr=LR))
+    replicas = [make_model() for _ in range(world_size)]
+    opts = [opt_factory(m.parameters()) for m in replicas]
+    history = []
+    for step in range(steps):
+        for r, (m, o) in enumerate(zip(replicas, opts)):
+            train_step(m, o, r, step)
+        if step >= warmup and (step - warmup) % period == 0:
+            with torch.no_grad():
+                for ps in zip(*(m.parameters() for m in replicas)):
+                    mean = torch.stack([p.detach() for p in ps]).mean(0)
+                    for p in ps:
+                        p.copy_(mean)
+        history.append([params_of(m) for m in replicas])
+    return history
+
+
+def test_ranks_bit_identical_after_rounds_and_different_between():
+    world_size, steps, period = 3, 7, 3
+    results = run_ranks(_rank_identical_after_rounds, world_size, steps=steps, period=period)
+    reference = _reference_local_sgd(world_size, steps, period)
+    for step in range(steps):
+        same = all(
+            torch.equal(a, b)
+            for r in range(1, world_size)
+            for a, b in zip(results[0][step], results[r][step])
+        )
+        assert same == (step % period == 0), f"step {step}"
+        for r in range(world_size):
+            for got, ref in zip(results[r][step], reference[step][r]):
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- optimizer= mode with Adam ------------------------------------------------------
+def _rank_adam(rank, world_size, steps, period):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=period,
+                                         optimizer=opt)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+    return {"params": params_of(model), "steps": handle.step_count, "rounds": handle.stats.rounds}
+
+
+def test_optimizer_mode_with_adam_matches_reference():
+    world_size, steps, period = 2, 7, 3
+    results = run_ranks(_rank_adam, world_size, steps=steps, period=period)
+    reference = _reference_local_sgd(world_size, steps, period,
+                                     lambda ps: torch.optim.Adam(ps, lr=0.01))[-1]
+    for r, res in enumerate(results):
+        assert res["steps"] == steps and res["rounds"] == 3
+        for got, ref in zip(res["params"], reference[r]):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- mixed dtypes, channels_last, frozen parameters: closed-form averages -------------
+class Mixed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.conv.to(memory_format=torch.channels_last)
+        self.head = torch.nn.Linear(6, 2).to(torch.bfloat16)
+        self.frozen = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+
+
+def _rank_mixed(rank, world_size):
+    model = Mixed()
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    layout = [(p.data_ptr(), p.stride(), p.dtype, p.is_contiguous(memory_format=torch.channels_last))
+              for p in model.parameters()]
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            g = torch.Generator().manual_seed(i)
+            p.copy_((torch.randint(-8, 8, p.shape, generator=g) + rank) * world_size)
+    handle.average()
+    after = [(p.data_ptr(), p.stride(), p.dtype, p.is_contiguous(memory_format=torch.channels_last))
+             for p in model.parameters()]
+    return {"layout": layout, "after": after, "params": params_of(model),
+            "buckets": [(b.dtype, len(b.parameters())) for b in handle.buckets]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mixed_dtypes_channels_last_and_frozen(world_size):
+    results = run_ranks(_rank_mixed, world_size)
+    mean_rank = (world_size - 1) / 2
+    names = [n for n, _ in Mixed().named_parameters()]
+    shapes = [p.shape for p in Mixed().parameters()]
+    for r, res in enumerate(results):
+        assert res["layout"] == res["after"]
+        assert res["buckets"] == [(torch.float32, 2), (torch.bfloat16, 2)]
+        for i, (name, p, shape) in enumerate(zip(names, res["params"], shapes)):
+            g = torch.Generator().manual_seed(i)
+            base = torch.randint(-8, 8, shape, generator=g)
+            # the frozen parameter is not averaged: it keeps its own rank's value
+            expected = (base + (r if name == "frozen" else mean_rank)) * world_size
+            assert torch.equal(p, expected.to(p.dtype)), name
+
+
+# --- subgroups and two registrations at different periods ----------------------------
+def _rank_two_registrations(rank, world_size, steps):
+    pair = dist.new_group([0, 1])
+    model = make_model()
+    ddp = DDP(model)
+    local = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, pair, period=2)
+    world = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=4)
+    ddp.register_comm_hook(world, dah.grad_hooks.local_sgd_grad_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    history = []
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+        local.step()
+        world.step()
+        history.append(params_of(model))
+    return {"history": history, "local_bytes": local.stats.bytes_sent,
+            "world_bytes": world.stats.bytes_sent}
+
+
+def test_subgroup_and_two_registrations_at_different_periods():
+    world_size, steps = 3, 7
+    results = run_ranks(_rank_two_registrations, world_size, steps=steps)
+    # independent reference: replicas in one process, pair mean every 2, world mean every 4
+    replicas = [make_model() for _ in range(world_size)]
+    opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in replicas]
+
+    def average(members):
+        with torch.no_grad():
+            for ps in zip(*(replicas[r].parameters() for r in members)):
+                mean = torch.stack([p.detach() for p in ps]).mean(0)
+                for p in ps:
+                    p.copy_(mean)
+
+    nbytes = sum(p.numel() * 4 for p in replicas[0].parameters())
+    for step in range(steps):
+        for r in range(world_size):
+            train_step(replicas[r], opts[r], r, step)
+        if step % 2 == 0:
+            average([0, 1])
+        if step % 4 == 0:
+            average(range(world_size))
+        for r in range(world_size):
+            for got, ref in zip(results[r]["history"][step], replicas[r].parameters()):
+                torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-6)
+        pair_same = all(torch.equal(a, b) for a, b in
+                        zip(results[0]["history"][step], results[1]["history"][step]))
+        assert pair_same == (step % 2 == 0)
+    assert results[2]["local_bytes"] == 0  # outside the pair: sends nothing, changes nothing
+    assert results[0]["local_bytes"] == 4 * nbytes and results[0]["world_bytes"] == 2 * nbytes
+
+
+# --- ranks must agree at registration -------------------------------------------------
+def _rank_disagree(rank, world_size, what):
+    ddp = DDP(torch.nn.Linear(4, 2))
+    period = 4 if (what == "period" and rank == 1) else 2
+    hook = dah.hooks.allreduce_hook
+    if what == "hook" and rank == 1:
+        hook = _other_hook
+    try:
+        dah.register_averaging_hook(ddp, hook, None, period=period)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _other_hook(state, bucket):
+    return dah.hooks.allreduce_hook(state, bucket)
+
+
+def _rank_layout_mismatch(rank, world_size):
+    # DDP itself refuses different shapes, so disagree on which parameters are trainable.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+    ddp = DDP(model)
+    if rank == 1:
+        model[1].weight.requires_grad_(False)
+    try:
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["period", "hook"])
+def test_every_rank_raises_on_disagreement(what):
+    messages = run_ranks(_rank_disagree, 2, timeout_s=60, what=what)
+    for msg in messages:
+        assert f"ranks disagree on {what!r}" in msg and "ranks [1]" in msg, msg
+
+
+def test_every_rank_raises_on_layout_disagreement():
+    messages = run_ranks(_rank_layout_mismatch, 2, timeout_s=60)
+    for msg in messages:
+        assert "ranks disagree on 'layout'" in msg and "ranks [1]" in msg, msg
+
+
+def _rank_missing_registration(rank, world_size):
+    ddp = DDP(torch.nn.Linear(2, 2))
+    if rank == 1:
+        return "skipped"
+    try:
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_that_never_registers_gives_an_error_not_a_hang():
+    messages = run_ranks(_rank_missing_registration, 2, timeout_s=60, pg_timeout_s=3)
+    assert "did every rank of the group register" in messages[0]

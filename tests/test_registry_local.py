@@ -1,0 +1,298 @@
+"""Registry behaviour that needs no peers: a world of one gloo rank in this process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from ddp_avg_hooks.bucket import assign_buckets
+
+
+@pytest.fixture
+def world1():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _mlp(*dims, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def _snapshot(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _assert_unchanged(module, before):
+    for p, b in zip(module.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+# --- buckets ------------------------------------------------------------------------
+def test_buckets_keep_order_group_by_dtype_and_respect_cap():
+    ps = [
+        torch.zeros(300),  # 1200 B
+        torch.zeros(10, dtype=torch.bfloat16),
+        torch.zeros(100),  # 400 B
+        torch.zeros(1000),  # 4000 B: larger than the cap, alone
+        torch.zeros(5, dtype=torch.bfloat16),
+    ]
+    cap_mb = 2000 / 2**20
+    buckets = assign_buckets(ps, cap_mb)
+    groups = [[next(i for i, q in enumerate(ps) if q is p) for p in b.parameters()] for b in buckets]
+    assert groups == [[0, 2], [1, 4], [3]]
+    assert [b.index() for b in buckets] == [0, 1, 2]
+    assert [b.is_last() for b in buckets] == [False, False, True]
+    assert [b.dtype for b in buckets] == [torch.float32, torch.bfloat16, torch.float32]
+    for b in buckets:
+        nbytes = b.numel() * b.buffer().element_size()
+        assert nbytes <= 2000 or len(b.parameters()) == 1
+
+
+def test_bucket_flat_order_is_logical_even_for_channels_last():
+    p = torch.arange(2 * 3 * 2 * 2, dtype=torch.float32).reshape(2, 3, 2, 2)
+    p = p.contiguous(memory_format=torch.channels_last)
+    (b,) = assign_buckets([p], 25, keep_anchor=True)
+    assert torch.equal(b.load_parameters(), p.reshape(-1))
+    assert torch.equal(b.anchor(), p.reshape(-1))
+    ptr, strides = p.data_ptr(), p.stride()
+    b.write_back(torch.arange(24, 0, -1, dtype=torch.float64))
+    assert p.data_ptr() == ptr and p.stride() == strides
+    assert torch.equal(p.reshape(-1), torch.arange(24, 0, -1, dtype=torch.float32))
+    assert torch.equal(b.anchor(), p.reshape(-1))
+
+
+def test_anchor_and_delta_only_when_asked():
+    p = torch.nn.Parameter(torch.full((4,), 20.0))
+    (plain,) = assign_buckets([p], 25)
+    with pytest.raises(RuntimeError, match="needs_anchor"):
+        plain.anchor()
+    (kept,) = assign_buckets([p], 25, keep_anchor=True)
+    with torch.no_grad():
+        p.sub_(torch.tensor([0.001, 0.002, 0.003, 0.004]))
+    expected = ((torch.full((4,), 20.0) - p.detach()) / 2).to(torch.float16)
+    got = kept.delta(torch.float16, scale=0.5)
+    assert got.dtype == torch.float16 and torch.equal(got, expected)
+    assert kept.delta(torch.float16).data_ptr() == got.data_ptr()  # persistent scratch
+
+
+# --- register_averaging_hook: arguments ---------------------------------------------
+def test_rejects_non_ddp_model(world1):
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        dah.register_averaging_hook(torch.nn.Linear(2, 2), dah.hooks.allreduce_hook, None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"period": 0}, ValueError, "period must be >= 1"),
+        ({"period": 2.0}, TypeError, "period must be an int"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps must be >= 0"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be > 0"),
+        ({"bucket_cap_mb": -1.5}, ValueError, "bucket_cap_mb must be > 0"),
+        ({"optimizer": "sgd"}, TypeError, "optimizer must be"),
+        ({"check_finit": True}, TypeError, "unknown option"),
+    ],
+)
+def test_rejects_bad_arguments(world1, kwargs, exc, match):
+    ddp = DDP(_mlp(3, 2))
+    with pytest.raises(exc, match=match):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, **kwargs)
+
+
+def test_rejects_bad_hook_and_state(world1):
+    ddp = DDP(_mlp(3, 2))
+    with pytest.raises(TypeError, match="hook must be callable"):
+        dah.register_averaging_hook(ddp, "allreduce", None)
+    with pytest.raises(TypeError, match="allreduce_hook: state must be None"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, {"group": 1})
+
+
+def test_rejects_model_without_trainable_parameters(world1):
+    model = _mlp(3, 2)
+    ddp = DDP(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+
+
+# --- schedule ---------------------------------------------------------------------
+@pytest.mark.parametrize("period, warmup", [(1, 0), (3, 0), (4, 5), (2, 1)])
+def test_schedule_matches_periodic_model_averager(world1, period, warmup):
+    from torch.distributed.algorithms.model_averaging import averagers
+    import torch.distributed.algorithms.model_averaging.utils as avg_utils
+
+    ddp = DDP(_mlp(3, 2))
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                         period=period, warmup_steps=warmup)
+    reference = averagers.PeriodicModelAverager(period=period, warmup_steps=warmup)
+    calls = []
+    original = avg_utils.average_parameters_or_parameter_groups
+    avg_utils.average_parameters_or_parameter_groups = lambda *a, **k: calls.append(1)
+    try:
+        ours, theirs = [], []
+        for _ in range(20):
+            in_warmup = handle.in_warmup
+            assert in_warmup == (handle.step_count < warmup)
+            ours.append(handle.step())
+            n = len(calls)
+            reference.average_parameters(ddp.parameters())
+            theirs.append(len(calls) > n)
+    finally:
+        avg_utils.average_parameters_or_parameter_groups = original
+    assert ours == theirs
+    assert handle.stats.rounds == sum(ours) and handle.step_count == 20
+
+
+def test_average_runs_outside_the_schedule(world1):
+    ddp = DDP(_mlp(3, 2))
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=100)
+    handle.average()
+    assert handle.step_count == 0 and handle.stats.rounds == 1
+    assert handle.stats.bytes_sent == sum(p.numel() * 4 for p in ddp.parameters())
+    assert handle.stats.seconds > 0
+
+
+def test_optimizer_mode_and_remove(world1):
+    ddp = DDP(_mlp(3, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         optimizer=opt)
+    for _ in range(3):
+        opt.zero_grad(); ddp(torch.randn(4, 3)).sum().backward(); opt.step()
+    assert handle.step_count == 3 and handle.stats.rounds == 2
+    handle.remove()
+    opt.step()
+    assert handle.step_count == 3
+    with pytest.raises(RuntimeError, match="after remove"):
+        handle.step()
+    handle.remove()  # idempotent
+
+
+def test_state_dict_round_trip_and_mismatch(world1):
+    ddp = DDP(_mlp(3, 2))
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=3,
+                                         warmup_steps=2)
+    for _ in range(5):
+        handle.step()
+    saved = handle.state_dict()
+    fresh = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=3,
+                                        warmup_steps=2)
+    fresh.load_state_dict(saved)
+    assert fresh.step_count == 5 and not fresh.in_warmup
+    assert [fresh.step() for _ in range(3)] == [True, False, False]
+    other = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=4,
+                                        warmup_steps=2)
+    with pytest.raises(ValueError, match="'period' is 3 but this handle's is 4"):
+        other.load_state_dict(saved)
+    assert other.step_count == 0
+
+
+# --- hook results are checked; failed rounds write nothing ---------------------------
+def _done(value):
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def _returns_list(state, bucket):
+    return [bucket.buffer()]
+
+
+def _wrong_numel(state, bucket):
+    return _done(bucket.buffer()[:-1])
+
+
+def _int_tensor(state, bucket):
+    return _done(torch.zeros(bucket.numel(), dtype=torch.int64))
+
+
+def _raises(state, bucket):
+    raise ZeroDivisionError("boom in hook")
+
+
+def _future_raises(state, bucket):
+    return _done(bucket.buffer()).then(lambda f: 1 / 0)
+
+
+def _nan_result(state, bucket):
+    return _done(torch.full((bucket.numel(),), float("nan")))
+
+
+def _second_bucket_fails(state, bucket):
+    if bucket.index() == 1:
+        raise ValueError("only bucket 1 fails")
+    return _done(torch.full((bucket.numel(),), 123.0))
+
+
+@pytest.mark.parametrize(
+    "hook, expected",
+    [
+        (_returns_list, "returned list; expected a torch.futures.Future"),
+        (_wrong_numel, r"holds \d+ elements; expected \d+"),
+        (_int_tensor, "torch.int64 tensor; expected a floating-point"),
+        (_raises, "raised ZeroDivisionError: boom in hook"),
+        (_future_raises, "its future raised"),
+        (_second_bucket_fails, "bucket 1 of 2.*only bucket 1 fails"),
+    ],
+)
+def test_bad_hook_results_raise_and_write_nothing(world1, hook, expected):
+    model = _mlp(3, 4, 2)
+    ddp = DDP(model)
+    cap = 20 * 4 / 2**20  # first Linear (16 values) in bucket 0, the rest in bucket 1
+    handle = dah.register_averaging_hook(ddp, hook, None, bucket_cap_mb=cap)
+    assert len(handle.buckets) == 2
+    before = _snapshot(model)
+    with pytest.raises(dah.AveragingHookError, match=expected) as info:
+        handle.step()
+    assert hook.__name__ in str(info.value)
+    _assert_unchanged(model, before)
+    assert handle.step_count == 0  # a failed round does not advance the schedule
+
+
+def test_check_finite_rejects_nan_before_writing(world1):
+    model = _mlp(3, 2)
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, _nan_result, None, check_finite=True)
+    before = _snapshot(model)
+    with pytest.raises(dah.AveragingHookError, match="nan or inf"):
+        handle.average()
+    _assert_unchanged(model, before)
+
+
+def test_round_allocates_nothing_the_size_of_the_model(world1):
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    ddp = DDP(model)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    ptrs = [b.buffer().data_ptr() for b in handle.buckets]
+    handle.average()  # warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        handle.average()
+    largest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+    assert largest < model_bytes // 4, f"a round allocated {largest} B (model: {model_bytes} B)"
+    assert [b.buffer().data_ptr() for b in handle.buckets] == ptrs
+
+
+def test_user_hook_in_the_readme_style(world1):
+    def halve_hook(state, bucket: dah.ParamBucket):
+        bucket.record_sent(bucket.buffer())
+        return _done(bucket.buffer().mul_(0.5))
+
+    model = _mlp(3, 2)
+    ddp = DDP(model)
+    before = _snapshot(model)
+    handle = dah.register_averaging_hook(ddp, halve_hook, None)
+    handle.average()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b * 0.5)
+    assert handle.stats.bytes_sent == sum(b.numel() * 4 for b in before)
