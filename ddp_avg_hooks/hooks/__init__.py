@@ -2,5 +2,13 @@
 
 from .compress import HalfDeltaState, bf16_compress_hook, fp16_compress_hook
 from .default import allreduce_hook
+from .powersgd import PowerSGDState, powersgd_hook
 
-__all__ = ["HalfDeltaState", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook"]
+__all__ = [
+    "HalfDeltaState",
+    "PowerSGDState",
+    "allreduce_hook",
+    "bf16_compress_hook",
+    "fp16_compress_hook",
+    "powersgd_hook",
+]

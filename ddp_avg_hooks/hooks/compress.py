@@ -94,11 +94,13 @@ class HalfDeltaState:
     __slots__ = ("process_group", "error_feedback", "_residuals")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = True) -> None:
-        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        try:
+            resolve_group(process_group, "HalfDeltaState")
+        except TypeError:
             raise TypeError(
                 "HalfDeltaState: process_group must be None (the default group) or a "
                 f"torch.distributed.ProcessGroup, got {type(process_group).__name__}"
-            )
+            ) from None
         if not isinstance(error_feedback, bool):
             raise TypeError(
                 f"HalfDeltaState: error_feedback must be True or False, got {error_feedback!r}"

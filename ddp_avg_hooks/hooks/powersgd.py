@@ -1,0 +1,484 @@
+"""PowerSGD on parameter deltas: ``PowerSGDState`` and ``powersgd_hook``.
+
+PowerSGD (Vogels et al., 2019) sends a rank-``r`` approximation of each matrix
+instead of the matrix. Here the matrix is the change of a parameter since the last
+round, ``delta = anchor - params`` (scaled by ``1 / world_size``), so one round costs
+``r * (n + m)`` numbers per ``n x m`` matrix instead of ``n * m``. Per bucket and round:
+
+1. ``C_w = delta_w / world_size + E_w`` on each rank ``w`` (``E_w``: error feedback).
+   Matrix-shaped parameters are viewed as ``(shape[0], -1)`` (conv weights: ``(out, -1)``).
+2. ``P = allreduce_sum(C_w Q)`` for every compressed matrix, in **one** collective
+   together with the exact tensors (``sum_w C_w`` of 1-D, 0-dim and too-small tensors).
+3. ``P <- orthonormalize(P)``: ``P / (||P|| + orthogonalization_epsilon)`` at rank 1,
+   Householder QR (``torch.linalg.qr``, never divides) at rank >= 2.
+4. ``Q = allreduce_sum(C_w^T P)`` for every compressed matrix: the **second** and last
+   collective.
+5. ``new = anchor - P Q^T`` (the approximation of ``sum_w C_w``), ``anchor - sum_w C_w``
+   for the exact tensors, in the bucket's dtype. ``E_w <- C_w - P (C_w^T P)^T``: what
+   this rank's own contribution lost to the projection (Vogels et al., Algorithm 2).
+6. ``Q`` is kept for the next round (warm start).
+
+Properties (tested in ``tests/test_powersgd.py``):
+
+* at full rank (``matrix_approximation_rank >= min(n, m)``, ``min_compression_rate=0``)
+  ``P P^T`` is the identity on the columns of ``sum_w C_w``: the result equals the
+  exact average up to float32 rounding;
+* ``P`` and ``Q`` are identical on every rank after the allreduces, so every rank
+  writes bit-identical parameters (on equal thread counts);
+* an all-zero delta gives ``P = 0``, ``Q = 0``, no NaN, and unchanged parameters; a
+  warm-started ``Q`` that became all zero is re-drawn from ``seed``;
+* ``Q`` is drawn from ``torch.Generator`` seeded with ``(seed, bucket.index())``, on the
+  CPU, identically on every rank; the global RNG is never touched.
+
+Collective ordering: callbacks run on the communication threads, so a collective
+launched from a callback could otherwise race with the next bucket's collective
+launched by the caller, and ranks would pair up different collectives. The state
+therefore launches each bucket's collectives strictly after the previous bucket's
+``Q`` allreduce was launched (``P_0, Q_0, P_1, Q_1, ...`` on every rank). Nothing
+blocks: each step is a future callback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from numbers import Real
+
+import torch
+import torch.distributed as dist
+
+from ..bucket import ParamBucket, needs_anchor
+from ._comm import completed, is_member, resolve_group
+
+
+def _check_int(name: str, value, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"PowerSGDState: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"PowerSGDState: {name} must be >= {minimum}, got {value}; {fix}")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"PowerSGDState: {name} must be True or False, got {value!r}")
+
+
+class _Layout:
+    """Where each parameter of a bucket sits, and which are compressed."""
+
+    __slots__ = ("matrices", "exact_runs", "p_numel", "q_numel", "exact_numel")
+
+    def __init__(self, bucket: ParamBucket, rank: int, min_compression_rate: float) -> None:
+        self.matrices: list[tuple[int, int, int, int, int, int]] = []  # (off, n, m, r, p_off, q_off)
+        self.exact_runs: list[tuple[int, int]] = []  # (off, length), merged when adjacent
+        runs: list[list[int]] = []
+        off = p_off = q_off = 0
+        for p in bucket.parameters():
+            numel = p.numel()
+            if p.dim() >= 2 and numel > 0:
+                n = p.shape[0]
+                m = numel // n
+                r = min(rank, n, m)
+                if r * (n + m) * min_compression_rate < n * m:
+                    self.matrices.append((off, n, m, r, p_off, q_off))
+                    p_off += n * r
+                    q_off += m * r
+                    off += numel
+                    continue
+            if numel:
+                if runs and runs[-1][0] + runs[-1][1] == off:
+                    runs[-1][1] += numel
+                else:
+                    runs.append([off, numel])
+            off += numel
+        self.exact_runs = [(o, n) for o, n in runs]
+        self.exact_numel = sum(n for _, n in runs)
+        self.p_numel = p_off + self.exact_numel  # P factors, then the exact tensors
+        self.q_numel = q_off
+
+
+class _BucketMemory:
+    """Per-bucket buffers: factors, warm-start Q, its seed draw, error feedback."""
+
+    __slots__ = ("layout", "p", "q", "q_local", "q_init", "residual")
+
+    def __init__(self, state: PowerSGDState, bucket: ParamBucket) -> None:
+        dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
+        self.layout = _Layout(bucket, state.matrix_approximation_rank, state.min_compression_rate)
+        dev = bucket.device
+        self.p = torch.empty(self.layout.p_numel, dtype=dtype, device=dev)
+        self.q_init = state._draw_q(self.layout.q_numel, bucket.index(), None, dtype, dev)
+        self.q = self.q_init.clone()
+        self.q_local = torch.empty_like(self.q) if state.use_error_feedback else None
+        self.residual = (
+            torch.zeros(bucket.numel(), dtype=dtype, device=dev) if state.use_error_feedback else None
+        )
+
+
+class PowerSGDState:
+    """Options and per-bucket memory of :func:`powersgd_hook`.
+
+    Args:
+        process_group: group to average over; ``None`` means the default group.
+        matrix_approximation_rank: rank ``r`` of the approximation (capped at
+            ``min(n, m)`` per matrix). Higher: more accurate and more bytes.
+        start_powersgd_round: averaging rounds before this one are exact (an allreduce
+            of the delta); compression starts here. Unlike DDP's PowerSGD, 0 is fine:
+            our buckets are never rebuilt.
+        min_compression_rate: compress an ``n x m`` matrix only if
+            ``n * m > min_compression_rate * r * (n + m)``; others, 1-D and 0-dim tensors
+            are averaged exactly. ``0`` compresses every matrix.
+        use_error_feedback: carry what compression lost into the next round.
+        warm_start: start each round's power iteration from the last round's ``Q``
+            (else re-draw ``Q`` from ``seed`` every round).
+        orthogonalization_epsilon: added to the norm in the rank-1 normalisation so an
+            all-zero factor gives zeros, not NaN (rank >= 2 uses QR, which never divides).
+            Must be > 0; far below any norm that matters by default.
+        seed: seed of the ``Q`` draws; every rank must use the same one.
+
+    One state per registration: memory is keyed by ``bucket.index()``. ``round`` counts
+    averaging rounds (it advances on the last bucket). ``state_dict()`` holds the round,
+    this rank's error feedback and ``Q`` of every bucket.
+
+    Example:
+        >>> from ddp_avg_hooks.hooks import PowerSGDState
+        >>> PowerSGDState(matrix_approximation_rank=4).round
+        0
+        >>> PowerSGDState(orthogonalization_epsilon=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: PowerSGDState: orthogonalization_epsilon must be > 0 (an all-zero delta would divide 0 by 0); leave the default (1e-30) or pass e.g. 1e-8
+    """
+
+    __slots__ = (
+        # often tuned
+        "process_group",
+        "matrix_approximation_rank",
+        "start_powersgd_round",
+        "min_compression_rate",
+        # seldom tuned
+        "use_error_feedback",
+        "warm_start",
+        "orthogonalization_epsilon",
+        "seed",
+        # internal state
+        "round",
+        "_memory",
+        "_pending",
+        "_last_launch",
+    )
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        matrix_approximation_rank: int = 1,
+        start_powersgd_round: int = 0,
+        min_compression_rate: float = 2.0,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 1e-30,
+        seed: int = 0,
+    ) -> None:
+        try:
+            resolve_group(process_group, "PowerSGDState")
+        except TypeError:
+            raise TypeError(
+                "PowerSGDState: process_group must be None (the default group) or a "
+                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}"
+            ) from None
+        _check_int("matrix_approximation_rank", matrix_approximation_rank, 1,
+                   "rank 1 sends the least; try 1 to 4")
+        _check_int("start_powersgd_round", start_powersgd_round, 0,
+                   "0 compresses from the first round")
+        if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, Real):
+            raise TypeError(
+                "PowerSGDState: min_compression_rate must be a number, got "
+                f"{type(min_compression_rate).__name__}"
+            )
+        if not (min_compression_rate >= 0 and math.isfinite(min_compression_rate)):
+            raise ValueError(
+                f"PowerSGDState: min_compression_rate must be finite and >= 0, got "
+                f"{min_compression_rate}; 0 compresses every matrix, 2.0 is the default"
+            )
+        _check_bool("use_error_feedback", use_error_feedback)
+        _check_bool("warm_start", warm_start)
+        if isinstance(orthogonalization_epsilon, bool) or not isinstance(orthogonalization_epsilon, Real):
+            raise TypeError(
+                "PowerSGDState: orthogonalization_epsilon must be a number, got "
+                f"{type(orthogonalization_epsilon).__name__}"
+            )
+        if not (orthogonalization_epsilon > 0 and math.isfinite(orthogonalization_epsilon)):
+            raise ValueError(
+                "PowerSGDState: orthogonalization_epsilon must be > 0 (an all-zero delta "
+                "would divide 0 by 0); leave the default (1e-30) or pass e.g. 1e-8"
+            )
+        _check_int("seed", seed, 0, "pass the same non-negative seed on every rank")
+        self.process_group = process_group
+        self.matrix_approximation_rank = matrix_approximation_rank
+        self.start_powersgd_round = start_powersgd_round
+        self.min_compression_rate = float(min_compression_rate)
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.seed = seed
+        self.round = 0
+        self._memory: dict[int, _BucketMemory] = {}
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._last_launch: torch.futures.Future = completed(None)
+
+    # --- randomness ---------------------------------------------------------------------
+    def _draw_q(self, numel: int, bucket_index: int, round_: int | None, dtype, device) -> torch.Tensor:
+        """Standard-normal ``Q`` factors of a bucket, the same on every rank."""
+        key = ((self.seed * 1_000_003 + bucket_index) * 1_000_003 + (0 if round_ is None else round_ + 1))
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(key % (2**63))
+        return torch.randn(numel, generator=gen, dtype=dtype).to(device)
+
+    def _bucket_memory(self, bucket: ParamBucket) -> _BucketMemory:
+        mem = self._memory.get(bucket.index())
+        if mem is None:
+            mem = self._memory[bucket.index()] = _BucketMemory(self, bucket)
+            pending = self._pending.pop(bucket.index(), None)
+            if pending is not None:
+                self._load_bucket(bucket.index(), mem, pending)
+        elif mem.residual is not None and mem.residual.numel() != bucket.numel():
+            raise ValueError(
+                f"PowerSGDState: bucket {bucket.index()} has {bucket.numel()} elements but "
+                f"the state's memory holds {mem.residual.numel()}; use one PowerSGDState "
+                "per registration"
+            )
+        return mem
+
+    # --- checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The round counter, this rank's error feedback and ``Q`` per bucket index."""
+        buckets = {i: dict(p) for i, p in self._pending.items()}
+        for i, mem in self._memory.items():
+            entry = {"q": mem.q.clone()}
+            if mem.residual is not None:
+                entry["residual"] = mem.residual.clone()
+            buckets[i] = entry
+        return {
+            "round": self.round,
+            "matrix_approximation_rank": self.matrix_approximation_rank,
+            "buckets": dict(sorted(buckets.items())),
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved (before or after the first round)."""
+        saved_rank = state_dict.get("matrix_approximation_rank", self.matrix_approximation_rank)
+        if saved_rank != self.matrix_approximation_rank:
+            raise ValueError(
+                f"PowerSGDState.load_state_dict: the checkpoint has matrix_approximation_rank="
+                f"{saved_rank}, this state {self.matrix_approximation_rank}; use the same rank"
+            )
+        self.round = int(state_dict["round"])
+        for index, entry in state_dict.get("buckets", {}).items():
+            mem = self._memory.get(int(index))
+            if mem is None:
+                self._pending[int(index)] = {k: v.detach().clone() for k, v in entry.items()}
+            else:
+                self._load_bucket(int(index), mem, entry)
+
+    @staticmethod
+    def _load_bucket(index: int, mem: _BucketMemory, entry: dict) -> None:
+        for name in ("q", "residual"):
+            mine, saved = getattr(mem, name), entry.get(name)
+            if mine is None or saved is None:
+                continue
+            if mine.numel() != saved.numel():
+                raise ValueError(
+                    f"PowerSGDState.load_state_dict: bucket {index} {name} has "
+                    f"{mine.numel()} elements here and {saved.numel()} in the checkpoint; "
+                    "register the same model with the same options to resume"
+                )
+            mine.copy_(saved)
+
+    def __getstate__(self) -> dict:  # process groups do not pickle
+        options = {k: getattr(self, k) for k in self.__slots__[1:8]}
+        return {"options": options, "state": self.state_dict()}
+
+    def __setstate__(self, s: dict) -> None:
+        self.__init__(None, **s["options"])
+        self.load_state_dict(s["state"])
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__[:8])
+        return f"PowerSGDState({opts}, round={self.round})"
+
+
+def _orthonormalize_(p: torch.Tensor, epsilon: float) -> None:
+    """Orthonormal columns of ``p`` (n x r, n >= r), in place."""
+    if p.shape[1] == 1:
+        p.div_(torch.linalg.vector_norm(p).add_(epsilon))
+    else:
+        p.copy_(torch.linalg.qr(p).Q)
+
+
+def _new_future(device: torch.device) -> torch.futures.Future:
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
+def _sequenced(state: PowerSGDState, result: torch.futures.Future, launch: Callable) -> torch.futures.Future:
+    """Run ``launch(done)`` once the previous bucket's last collective is launched.
+
+    ``launch`` must call ``done()`` right after launching its last collective. Any
+    exception fails ``result`` (and releases the next bucket).
+    """
+    done: torch.futures.Future = torch.futures.Future()
+    prev, state._last_launch = state._last_launch, done
+
+    def release() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def start(_fut) -> None:
+        try:
+            launch(release)
+        except Exception as exc:  # noqa: BLE001 - routed to the hook's future
+            release()
+            if not result.done():
+                result.set_exception(exc)
+
+    prev.add_done_callback(start)
+    return result
+
+
+def _guarded(result: torch.futures.Future, fn: Callable[[torch.futures.Future], None],
+             on_error: Callable[[], None] | None = None):
+    """A done-callback that routes exceptions (including the collective's) to ``result``."""
+
+    def callback(fut: torch.futures.Future) -> None:
+        try:
+            fut.value()  # raises if the collective failed
+            fn(fut)
+        except Exception as exc:  # noqa: BLE001 - routed to the hook's future
+            if on_error is not None:
+                on_error()
+            if not result.done():
+                result.set_exception(exc)
+
+    return callback
+
+
+@needs_anchor
+def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Future:
+    """Average the parameter change with PowerSGD (low rank, error feedback, warm start).
+
+    See the module docstring for the algorithm and its guarantees. 1-D, 0-dim and
+    matrices below ``min_compression_rate`` are averaged exactly; each bucket costs
+    at most two allreduces per round, ``4 * (sum r (n + m) + exact numel)`` bytes in
+    float32 (float64 buckets: 8 bytes per number).
+
+    Args:
+        state: a :class:`PowerSGDState` (one per registration).
+        bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
+
+    Returns:
+        A future of the new flat parameters (``bucket.buffer()``, overwritten).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 32))
+        >>> state = dah.hooks.PowerSGDState(matrix_approximation_rank=2)
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.powersgd_hook, state)
+        >>> handle.step(), handle.stats.bytes_sent  # 4 bytes x (2 x (32 + 64) + 32 bias)
+        (True, 896)
+        >>> state.round
+        1
+        >>> handle.remove(); dist.destroy_process_group()
+    """
+    if not isinstance(state, PowerSGDState):
+        _validate_state(state)
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    if not is_member(group):
+        return completed(bucket.buffer())
+    round_ = state.round
+    if bucket.is_last():
+        state.round += 1
+    mem = state._bucket_memory(bucket)
+    layout = mem.layout
+    c = bucket.delta(mem.p.dtype, scale=1.0 / dist.get_world_size(group))
+    if mem.residual is not None:
+        c.add_(mem.residual)
+    anchor, out = bucket.anchor(), bucket.buffer()
+    result = _new_future(bucket.device)
+
+    if round_ < state.start_powersgd_round or not layout.matrices:
+        # Exact round: one allreduce of the (error-corrected) delta.
+        if mem.residual is not None:
+            mem.residual.zero_()
+        bucket.record_sent(c)
+
+        def launch_exact(release: Callable[[], None]) -> None:
+            fut = dist.all_reduce(c, group=group, async_op=True).get_future()
+            release()
+            fut.add_done_callback(_guarded(result, lambda f: result.set_result(
+                torch.sub(anchor, f.value()[0], out=out))))
+
+        return _sequenced(state, result, launch_exact)
+
+    p_all, q_all = mem.p, mem.q
+    if not state.warm_start:
+        q_all.copy_(state._draw_q(layout.q_numel, bucket.index(), round_, q_all.dtype, q_all.device))
+    views = []
+    for off, n, m, r, p_off, q_off in layout.matrices:
+        ci = c[off : off + n * m].view(n, m)
+        pi = p_all[p_off : p_off + n * r].view(n, r)
+        qi = q_all[q_off : q_off + m * r].view(m, r)
+        if state.warm_start:  # a Q that collapsed to zero (zero delta) would stay zero
+            qi.copy_(torch.where(qi.eq(0).all(), mem.q_init[q_off : q_off + m * r].view(m, r), qi))
+        torch.mm(ci, qi, out=pi)
+        views.append((off, n, m, ci, pi, qi, q_off))
+    tail = p_all[p_all.numel() - layout.exact_numel :]
+    t_off = 0
+    for off, length in layout.exact_runs:
+        tail[t_off : t_off + length].copy_(c[off : off + length])
+        t_off += length
+    bucket.record_sent(p_all, q_all)
+
+    def finish(_fut) -> None:
+        for off, n, m, ci, pi, qi, q_off in views:
+            oi, ai = out[off : off + n * m].view(n, m), anchor[off : off + n * m].view(n, m)
+            if oi.dtype == pi.dtype:
+                torch.addmm(ai, pi, qi.t(), alpha=-1, out=oi)  # anchor - P Q^T
+            else:
+                torch.sub(ai, pi @ qi.t(), out=oi)
+            if mem.residual is not None:  # E = C - P (C^T P)^T: this rank's projection loss
+                ql = mem.q_local[q_off : q_off + m * qi.shape[1]].view(m, -1)
+                torch.addmm(ci, pi, ql.t(), alpha=-1, out=mem.residual[off : off + n * m].view(n, m))
+        t = 0
+        for off, length in layout.exact_runs:
+            torch.sub(anchor[off : off + length], tail[t : t + length], out=out[off : off + length])
+            t += length
+        result.set_result(out)
+
+    def launch(release: Callable[[], None]) -> None:
+        def after_p(_fut) -> None:
+            for _, _, _, ci, pi, qi, _ in views:
+                _orthonormalize_(pi, state.orthogonalization_epsilon)
+                torch.mm(ci.t(), pi, out=qi)
+            if mem.q_local is not None:
+                mem.q_local.copy_(q_all)
+            fut_q = dist.all_reduce(q_all, group=group, async_op=True).get_future()
+            release()  # the next bucket may launch now: Q_i precedes P_{i+1} on every rank
+            fut_q.add_done_callback(_guarded(result, finish))
+
+        fut_p = dist.all_reduce(p_all, group=group, async_op=True).get_future()
+        fut_p.add_done_callback(_guarded(result, after_p, on_error=release))
+
+    return _sequenced(state, result, launch)
+
+
+def _validate_state(state) -> None:
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(
+            "powersgd_hook: state must be a PowerSGDState, e.g. "
+            "PowerSGDState(process_group=None, matrix_approximation_rank=4), "
+            f"got {type(state).__name__}"
+        )
+
+
+powersgd_hook.validate_state = _validate_state
