@@ -37,6 +37,7 @@ import torch
 
 ENV_DISABLE = "DDP_AVG_HOOKS_DISABLE_EXT"
 _NAME = "ddp_avg_hooks_C"
+_PREBUILT = "ddp_avg_hooks._C"  # a module a packaged build may ship
 _CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp")
 _CUDA_SOURCES = ("kernels_cuda.cu",)
 
@@ -110,7 +111,7 @@ def load_extension() -> ModuleType | None:
     if disabled():
         return None
     try:
-        return importlib.import_module("ddp_avg_hooks._C")
+        return importlib.import_module(_PREBUILT)
     except ImportError:
         pass
     try:
