@@ -16,10 +16,11 @@ from . import ops
 class ParamBucket:
     """A group of parameters of one (device, dtype) and a persistent flat buffer.
 
-    Before a round, the registry copies the parameters into :meth:`buffer`; the hook
-    returns a future of the bucket's new flat values. The buffer is scratch space owned
-    by the round: a hook may overwrite it (``bucket.buffer().div_(n)``) and even
-    return it; the parameters only change when the registry writes the result back.
+    In a round, :meth:`buffer` holds the parameters (copied on first use, or scaled on
+    the way with :meth:`scaled_buffer`); the hook returns a future of the bucket's new
+    flat values. The buffer is scratch space owned by the round: a hook may overwrite
+    it (``bucket.buffer().div_(n)``) and even return it; the parameters only change
+    when the registry writes the result back.
 
     Hooks that need the parameters as of the last averaging round (to send the
     *change* ``anchor - params``, as the compressed hooks do) ask for anchors by
@@ -66,6 +67,7 @@ class ParamBucket:
         self.device, self.dtype = first.device, first.dtype
         self._numel = sum(p.numel() for p in self._params)
         self._buffer = torch.empty(self._numel, dtype=self.dtype, device=self.device)
+        self._loaded = False  # whether _buffer holds this round's values
         self._anchor: torch.Tensor | None = None
         if keep_anchor:
             self._anchor = torch.empty_like(self._buffer)
@@ -79,7 +81,25 @@ class ParamBucket:
         return self._index
 
     def buffer(self) -> torch.Tensor:
-        """Flat 1-D tensor of this bucket's parameters, filled at the start of a round."""
+        """Flat 1-D tensor of this bucket's current parameters.
+
+        Filled from the parameters on the first call of a round; after that it is the
+        hook's scratch space and later calls return it as the hook left it.
+        """
+        if not self._loaded:
+            self.load_parameters()
+        return self._buffer
+
+    def scaled_buffer(self, scale: float) -> torch.Tensor:
+        """:meth:`buffer` filled with ``parameters * scale``: the scaling fused into the copy."""
+        ops.flatten(self._params, self._buffer, scale)
+        self._loaded = True
+        return self._buffer
+
+    def workspace(self) -> torch.Tensor:
+        """The storage of :meth:`buffer` *without* filling it, for hooks that overwrite
+        every element themselves (and so can skip the copy of the parameters)."""
+        self._loaded = True
         return self._buffer
 
     def parameters(self) -> list[torch.Tensor]:
@@ -146,7 +166,12 @@ class ParamBucket:
     @torch.no_grad()
     def load_parameters(self) -> torch.Tensor:
         """Copy the live parameters into :meth:`buffer` and return it."""
+        self._loaded = True
         return ops.flatten(self._params, self._buffer)
+
+    def start_round(self) -> None:
+        """Mark :meth:`buffer` stale: the next call copies the parameters again."""
+        self._loaded = False
 
     @torch.no_grad()
     def write_back(self, values: torch.Tensor) -> None:

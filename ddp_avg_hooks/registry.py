@@ -161,7 +161,7 @@ class AveragingHandle:
         try:
             futures = []
             for bucket in self._buckets:
-                bucket.load_parameters()
+                bucket.start_round()
                 try:
                     fut = self._hook(self.state, bucket)
                 except Exception as exc:

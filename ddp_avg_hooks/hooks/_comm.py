@@ -44,12 +44,17 @@ def completed(value: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+def allreduce_sum_fut(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> torch.futures.Future:
+    """Sum ``tensor`` in place across ``group``, counting the bytes sent; a future of it."""
+    bucket.record_sent(tensor)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
 def allreduce_mean_fut(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> torch.futures.Future:
     """Average ``tensor`` in place across ``group``; returns a future of ``tensor``.
 
     Divides before summing (no overflow in half precision) and counts the bytes sent.
     """
     tensor.div_(dist.get_world_size(group))
-    bucket.record_sent(tensor)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return allreduce_sum_fut(group, tensor, bucket)

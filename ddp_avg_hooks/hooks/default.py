@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..bucket import ParamBucket
-from ._comm import allreduce_mean_fut, completed, is_member, resolve_group
+import torch.distributed as dist
+
+from ._comm import allreduce_sum_fut, completed, is_member, resolve_group
 
 
 def allreduce_hook(state, bucket: ParamBucket) -> torch.futures.Future:
@@ -35,7 +37,13 @@ def allreduce_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     group = resolve_group(state, "allreduce_hook")
     if not is_member(group):
         return completed(bucket.buffer())
-    return allreduce_mean_fut(group, bucket.buffer(), bucket)
+    world_size = dist.get_world_size(group)
+    if world_size & (world_size - 1) == 0:
+        # 1/world_size is exact: fuse the division into the copy, bit-identical to dividing
+        buffer = bucket.scaled_buffer(1.0 / world_size)
+    else:
+        buffer = bucket.buffer().div_(world_size)
+    return allreduce_sum_fut(group, buffer, bucket)
 
 
 def _validate_allreduce_state(state) -> None:
