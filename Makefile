@@ -16,7 +16,6 @@ PYTEST_FLAGS ?=
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo]"
 	touch $@
