@@ -3,8 +3,10 @@
 // Each op walks a list of parameter segments (see kernels.h). The elements of the
 // whole list are split into equal ranges, one per thread (std::thread, at most
 // `num_threads`, which ops.cpp takes from at::get_num_threads()); small calls run on
-// the calling thread. Inner loops are branch-free integer/float code over
-// __restrict pointers so the compiler vectorizes them.
+// the calling thread. On x86-64 CPUs with AVX2 and F16C (checked at run time) the loops
+// run 8 elements at a time with the F16C conversion instructions, as torch's own
+// vectorized copy does; elsewhere, and for the last n % 8 elements, the portable
+// branch-free scalar code below runs (the compiler vectorizes it too).
 //
 // fp16/bf16 conversions reproduce Tensor.to bit for bit for every non-NaN input
 // (round to nearest-even, subnormals, overflow to inf). NaN stays NaN with its sign for
@@ -21,6 +23,13 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DAH_X86_AVX2 1
+#include <immintrin.h>
+// Functions compiled for AVX2 + F16C; called only when the CPU has both (kAvx2 below).
+#define DAH_AVX2 __attribute__((target("avx2,f16c")))
+#endif
 
 namespace {
 
@@ -88,6 +97,92 @@ struct BF16 {
   static T store(float x) { return float_to_bf16(x); }
 };
 
+#ifdef DAH_X86_AVX2
+const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+
+// 8 elements <-> 8 floats in a __m256, rounding exactly like the scalar versions above
+// (the F16C instructions are what torch's own vectorized CPU copy uses).
+template <class D>
+struct V8;
+template <>
+struct V8<F32> {
+  static DAH_AVX2 __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static DAH_AVX2 void store(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+};
+template <>
+struct V8<F16> {
+  static DAH_AVX2 __m256 load(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static DAH_AVX2 void store(uint16_t* p, __m256 x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+template <>
+struct V8<BF16> {
+  static DAH_AVX2 __m256 load(const uint16_t* p) {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  }
+  static DAH_AVX2 void store(uint16_t* p, __m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb);
+    r = _mm256_srli_epi32(r, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // 32 -> 16 bits: packus works per 128-bit lane, then gather the two low halves
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+};
+
+// The vector bodies: each handles the first n - n % 8 elements and returns that count.
+template <class P, class A, bool kScale>
+DAH_AVX2 int64_t flatten_avx2(const typename P::T* __restrict p, typename A::T* __restrict a,
+                              int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 x = V8<P>::load(p + j);
+    if constexpr (kScale) x = _mm256_mul_ps(x, vs);
+    V8<A>::store(a + j, x);
+  }
+  return j;
+}
+
+template <class P, class A>
+DAH_AVX2 int64_t copy_avx2(const typename A::T* __restrict a, typename P::T* __restrict p,
+                           int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) V8<P>::store(p + j, V8<A>::load(a + j));
+  return j;
+}
+
+template <class P, class A, class O>
+DAH_AVX2 int64_t delta_avx2(const typename A::T* __restrict a, const typename P::T* __restrict p,
+                            typename O::T* __restrict o, int64_t n, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    V8<O>::store(o + j, _mm256_mul_ps(_mm256_sub_ps(V8<A>::load(a + j), V8<P>::load(p + j)), vs));
+  return j;
+}
+
+template <class P, class A>
+DAH_AVX2 int64_t apply_avx2(const typename A::T* __restrict a, typename P::T* __restrict p,
+                            typename P::T* __restrict anchor, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = V8<A>::load(a + j);
+    V8<P>::store(p + j, x);
+    V8<P>::store(anchor + j, x);
+  }
+  return j;
+}
+#endif  // DAH_X86_AVX2
+
 // Calls f(F32{}) / f(F16{}) / f(BF16{}) for a dtype code.
 template <class Fn>
 bool dispatch(int dtype, Fn&& f) {
@@ -110,7 +205,11 @@ void flatten_loop(CPtr<P> p, Ptr<A> a, int64_t n, float s) {
   if constexpr (std::is_same_v<P, A> && !kScale) {
     std::memcpy(a, p, static_cast<size_t>(n) * sizeof(typename P::T));
   } else {
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+#ifdef DAH_X86_AVX2
+    if (kAvx2) j = flatten_avx2<P, A, kScale>(p, a, n, s);
+#endif
+    for (; j < n; ++j) {
       float x = P::load(p[j]);
       if constexpr (kScale) x *= s;
       a[j] = A::store(x);
@@ -123,13 +222,21 @@ void copy_loop(CPtr<A> a, Ptr<P> p, int64_t n) {
   if constexpr (std::is_same_v<P, A>) {
     std::memcpy(p, a, static_cast<size_t>(n) * sizeof(typename P::T));
   } else {
-    for (int64_t j = 0; j < n; ++j) p[j] = P::store(A::load(a[j]));
+    int64_t j = 0;
+#ifdef DAH_X86_AVX2
+    if (kAvx2) j = copy_avx2<P, A>(a, p, n);
+#endif
+    for (; j < n; ++j) p[j] = P::store(A::load(a[j]));
   }
 }
 
 template <class P, class A, class O>
 void delta_loop(CPtr<A> a, CPtr<P> p, Ptr<O> o, int64_t n, float s) {
-  for (int64_t j = 0; j < n; ++j) o[j] = O::store((A::load(a[j]) - P::load(p[j])) * s);
+  int64_t j = 0;
+#ifdef DAH_X86_AVX2
+  if (kAvx2) j = delta_avx2<P, A, O>(a, p, o, n, s);
+#endif
+  for (; j < n; ++j) o[j] = O::store((A::load(a[j]) - P::load(p[j])) * s);
 }
 
 template <class P, class A>
@@ -138,7 +245,11 @@ void apply_loop(CPtr<A> a, Ptr<P> p, Ptr<P> anchor, int64_t n) {
     std::memcpy(p, a, static_cast<size_t>(n) * sizeof(typename P::T));
     std::memcpy(anchor, a, static_cast<size_t>(n) * sizeof(typename P::T));
   } else {
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+#ifdef DAH_X86_AVX2
+    if (kAvx2) j = apply_avx2<P, A>(a, p, anchor, n);
+#endif
+    for (; j < n; ++j) {
       const typename P::T v = P::store(A::load(a[j]));
       p[j] = v;
       anchor[j] = v;

@@ -1,0 +1,158 @@
+"""Fused bucket ops: the extension vs the fallback vs plain torch, in one run.
+
+The parameter list is shaped like a GPT-2-style transformer with ~84M parameters
+(d=768, 10 layers, 16k vocabulary; ~150 tensors). Each case is timed for every
+variant with ``torch.utils.benchmark.Timer(...).blocked_autorange()`` (median), after
+one correctness check that the extension and the fallback agree bit for bit.
+
+GB/s counts the bytes the op must move (read + write, e.g. 6 B/element for
+fp32 -> fp16), so variants of one case are comparable; ``copy_`` is one contiguous
+fp32 -> fp32 copy of the same number of elements (8 B/element), the machine's
+practical memory bandwidth for this access pattern.
+
+    python benchmarks/bench_ops.py                    # CPU, 1 and 2 threads
+    python benchmarks/bench_ops.py --device cuda      # one GPU
+    python benchmarks/bench_ops.py --scale 0.05       # a quick smaller run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+import torch
+from torch.utils import benchmark
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from ddp_avg_hooks import _ext, _fallback  # noqa: E402
+
+F32, F16 = torch.float32, torch.float16
+
+
+def transformer_params(device: str, scale: float = 1.0, seed: int = 0) -> list[torch.Tensor]:
+    """~84M fp32 parameters in model.parameters() order of a GPT-2-like model."""
+    d, layers, vocab, ctx = 768, 10, 16384, 1024
+    vocab, ctx = max(1, int(vocab * scale)), max(1, int(ctx * scale))
+    layers = max(1, round(layers * scale))
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    shapes += [(d,), (d,)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).mul_(0.02).to(device) for s in shapes]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    it = {F32: torch.int32, F16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    return a.dtype == b.dtype and torch.equal(a.view(it), b.view(it))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", default="1,2", help="CPU thread counts, comma separated")
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink the model (quick runs)")
+    ap.add_argument("--min-run-time", type=float, default=1.0, help="seconds per measurement")
+    args = ap.parse_args()
+
+    C = _ext.load_extension()
+    if C is None:
+        sys.exit("the extension did not load (see the warning); nothing to compare")
+    dev = args.device
+    if dev.startswith("cuda") and not C.with_cuda():
+        sys.exit("the extension was built without CUDA")
+
+    ps = transformer_params(dev, args.scale)
+    n = sum(p.numel() for p in ps)
+    anchor32 = torch.cat([p.reshape(-1) for p in ps]) + 1e-3
+    flat32 = torch.empty(n, dtype=F32, device=dev)
+    flat16 = torch.empty(n, dtype=F16, device=dev)
+    src32 = anchor32.clone()
+    wire16 = flat16.clone().normal_()
+    targets = [torch.empty_like(p) for p in ps]
+    ws = 1.0 / 8
+
+    # one correctness check per case before any timing
+    def check(name, run_ext, run_fb, outs):
+        run_ext()
+        got = [o.clone() for o in outs]
+        run_fb()
+        assert all(bits_equal(g, o) for g, o in zip(got, outs)), f"{name}: extension != fallback"
+
+    check("flatten f32->f16", lambda: C.flatten(ps, flat16, None),
+          lambda: _fallback.flatten(ps, flat16), [flat16])
+    check("flatten f32->f16 *s", lambda: C.flatten(ps, flat16, ws),
+          lambda: _fallback.flatten(ps, flat16, ws), [flat16])
+    check("delta f32->f16", lambda: C.delta(anchor32, ps, flat16, ws),
+          lambda: _fallback.delta(anchor32, ps, flat16, ws), [flat16])
+    check("unflatten f16->f32", lambda: C.unflatten_(wire16, targets),
+          lambda: _fallback.unflatten_(wire16, targets), targets)
+    check("apply f32", lambda: C.apply_(src32, targets, flat32),
+          lambda: _fallback.apply_(src32, targets, flat32), targets + [flat32])
+    assert bits_equal(torch._utils._flatten_dense_tensors(ps).half(),
+                      _fallback.flatten(ps, flat16)), "flatten_dense().half() differs"
+
+    g = dict(C=C, F=_fallback, ps=ps, flat32=flat32, flat16=flat16, src32=src32,
+             anchor32=anchor32, wire16=wire16, targets=targets, ws=ws,
+             flatten_dense=torch._utils._flatten_dense_tensors)
+    # (case, bytes moved per element, [(variant, stmt)])
+    cases = [
+        ("flatten f32->f16", 6, [
+            ("ext", "C.flatten(ps, flat16, None)"),
+            ("fallback", "F.flatten(ps, flat16)"),
+            ("flatten_dense().half()", "flatten_dense(ps).half()"),
+            ("copy_ flat f32->f16", "flat16.copy_(src32)"),
+        ]),
+        ("flatten f32->f32", 8, [
+            ("ext", "C.flatten(ps, flat32, None)"),
+            ("fallback", "F.flatten(ps, flat32)"),
+            ("flatten_dense()", "flatten_dense(ps)"),
+        ]),
+        ("delta f32,f32->f16 *s", 10, [
+            ("ext", "C.delta(anchor32, ps, flat16, ws)"),
+            ("fallback", "F.delta(anchor32, ps, flat16, ws)"),
+        ]),
+        ("unflatten f16->f32", 6, [
+            ("ext", "C.unflatten_(wire16, targets)"),
+            ("fallback", "F.unflatten_(wire16, targets)"),
+        ]),
+        ("apply f32->params+anchor", 12, [
+            ("ext", "C.apply_(src32, targets, flat32)"),
+            ("fallback", "F.apply_(src32, targets, flat32)"),
+        ]),
+    ]
+
+    if dev.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(dev))
+        thread_counts = [torch.get_num_threads()]
+    else:
+        name = f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cpus"
+        thread_counts = [int(t) for t in args.threads.split(",")]
+    print(f"torch {torch.__version__} | device {dev} ({name}) | threads {args.threads if not dev.startswith('cuda') else '-'} "
+          f"| params {n / 1e6:.1f}M in {len(ps)} tensors | median of blocked_autorange")
+
+    def time_stmt(stmt: str, threads: int) -> float:
+        t = benchmark.Timer(stmt=stmt, globals=g, num_threads=threads)
+        return t.blocked_autorange(min_run_time=args.min_run_time).median
+
+    for threads in thread_counts:
+        copy_s = time_stmt("flat32.copy_(src32)", threads)
+        copy_gbs = 8 * n / copy_s / 1e9
+        print(f"threads={threads}  copy_ f32->f32 (flat, {n / 1e6:.1f}M)  {copy_s * 1e3:8.2f} ms  "
+              f"{copy_gbs:6.2f} GB/s")
+        for case, bpe, variants in cases:
+            res = {v: time_stmt(stmt, threads) for v, stmt in variants}
+            for v, s in res.items():
+                gbs = bpe * n / s / 1e9
+                print(f"threads={threads}  {case:26s} {v:24s} {s * 1e3:8.2f} ms  {gbs:6.2f} GB/s  "
+                      f"{gbs / copy_gbs:5.2f}x copy_ BW")
+            ext = res["ext"]
+            others = "  ".join(f"{v}/ext {s / ext:5.2f}x" for v, s in res.items() if v != "ext")
+            print(f"threads={threads}  {case:26s} -> {others}")
+
+
+if __name__ == "__main__":
+    main()
