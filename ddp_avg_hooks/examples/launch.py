@@ -114,7 +114,7 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
                     argv, env=_env(extra), stdout=logf,
                     stderr=None if stream else subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + timeout_s
-            while any(p.poll() is None for p in procs):
+            while any([p.poll() is None for p in procs]):  # a list: poll every process
                 if time.monotonic() > deadline:
                     raise LaunchError(f"training did not finish in {timeout_s:.0f} s (log: {log})")
                 if any(p.returncode not in (None, 0) for p in procs):

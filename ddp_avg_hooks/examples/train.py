@@ -393,7 +393,9 @@ def main(argv=None) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     meter = CommMeter()
     try:
-        return _train(args, rank, world, meter)
+        result = _train(args, rank, world, meter)
+        dist.barrier()  # nobody tears down gloo while a peer still talks to it
+        return result
     finally:
         meter.uninstall()
         dist.destroy_process_group()
@@ -408,6 +410,10 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
     variant = build_variant(args.hook, model, opt, meter, args)
+    ops_backend = None
+    if args.hook in OURS:  # load (or build: ~1 min) the extension now, not in round 0
+        from ddp_avg_hooks import ops
+        ops_backend = ops.backend()
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank: its own data
     consensus_eval = ConsensusEval(model, consensus=args.hook != "none")
     raw_all_reduce = dist.all_reduce
@@ -491,7 +497,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         handle_stats=stats,
     )
     result = dict(config=dict(vars(args), world_size=world, n_params=n_params,
-                              torch=torch.__version__, wire_iface=wire_if,
+                              torch=torch.__version__, wire_iface=wire_if, ops_backend=ops_backend,
                               corpus=sysconfig.get_paths()["stdlib"]),
                   summary=summary, steps=steps, evals=evals)
     print(f"[{args.hook}] world={world} params={n_params / 1e6:.2f}M steps={args.steps} "

@@ -1,0 +1,180 @@
+"""Turn training runs (``metrics.json`` of :mod:`.train`) into tables, plots and RESULTS.md.
+
+Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
+
+- *target loss*: the baseline's (DDP's) validation loss at the end of its step budget;
+- *time to target*: training wall-clock (rank 0, validation excluded) at the first
+  validation point whose loss is <= the target; ``None`` ("not reached") otherwise;
+- *loss at equal samples*: validation loss at the baseline's last step, and its gap to
+  the baseline in percent;
+- *MB/step*: bytes rank 0 handed to collectives, averaged over all steps;
+- *comm wait share*: seconds waiting on communication / training seconds;
+- *local-step overhead*: median step time of steps that neither averaged nor sent
+  anything, over the median step of the no-communication run (``none``).
+
+Example::
+
+    >>> run = {"config": {"steps": 4, "hook": "x"}, "summary": {"train_s": 2.0},
+    ...        "evals": [{"step": 2, "train_s": 1.0, "bytes": 0, "val_loss": 3.0},
+    ...                  {"step": 4, "train_s": 2.0, "bytes": 0, "val_loss": 2.0}]}
+    >>> time_to_target(run, 2.5), time_to_target(run, 1.0), loss_at_step(run, 2)
+    (2.0, None, 3.0)
+"""
+from __future__ import annotations
+
+import os
+import re
+
+SECTION = "## End-to-end training (issue 5)"
+
+
+def time_to_target(run: dict, target: float) -> float | None:
+    for e in run["evals"]:
+        if e["val_loss"] <= target:
+            return e["train_s"]
+    return None
+
+
+def loss_at_step(run: dict, step: int) -> float | None:
+    for e in run["evals"]:
+        if e["step"] == step:
+            return e["val_loss"]
+    return None
+
+
+def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
+              reference: str = "torch_localsgd") -> list[dict]:
+    """One row per run (in ``runs`` order) with the metrics defined in the module docstring."""
+    base = runs.get(baseline)
+    budget = base["config"]["steps"] if base else None
+    target = base["evals"][-1]["val_loss"] if base else None
+    base_ttt = time_to_target(base, target) if base else None
+    ref_ttt = time_to_target(runs[reference], target) if reference in runs and base else None
+    none_step = runs[none]["summary"]["median_step_s"] if none in runs else None
+    base_step = base["summary"]["mean_step_s"] if base else None
+    rows = []
+    for name, run in runs.items():
+        s = run["summary"]
+        row = dict(variant=name, steps=run["config"]["steps"],
+                   final_val_loss=run["evals"][-1]["val_loss"],
+                   median_step_ms=s["median_step_s"] * 1e3, mean_step_ms=s["mean_step_s"] * 1e3,
+                   mb_per_step=s["bytes_per_step"] / 1e6,
+                   wire_mb_per_step=(s.get("wire_bytes_per_step") or 0) / 1e6
+                   if s.get("wire_bytes_per_step") is not None else None,
+                   comm_share=s["comm_share"],
+                   speedup=(base_step / s["mean_step_s"]) if base_step else None)
+        local = s.get("median_local_step_s")
+        row["local_overhead"] = (local / none_step) if local and none_step and name != none else None
+        if base is not None:
+            at = loss_at_step(run, budget)
+            row["val_at_budget"] = at
+            row["gap_pct"] = None if at is None else 100.0 * (at - target) / target
+            ttt = time_to_target(run, target) if name != none else None
+            row["time_to_target_s"] = ttt
+            row["ttt_speedup_vs_ddp"] = base_ttt / ttt if ttt and base_ttt else None
+            row["ttt_speedup_vs_torch"] = ref_ttt / ttt if ttt and ref_ttt else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, spec: str) -> str:
+    if v is None:
+        return "n/a"
+    return format(v, spec)
+
+
+DEMO_COLUMNS = [("variant", "variant", "s"), ("final val loss", "final_val_loss", ".3f"),
+                ("time/step ms", "mean_step_ms", ".1f"), ("MB/step", "mb_per_step", ".3f"),
+                ("speedup vs DDP", "speedup", ".2f")]
+
+BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
+                 ("median step ms", "median_step_ms", ".1f"), ("mean step ms", "mean_step_ms", ".1f"),
+                 ("MB/step", "mb_per_step", ".3f"), ("wire MB/step", "wire_mb_per_step", ".3f"),
+                 ("comm wait", "comm_share", ".0%"), ("local step / none", "local_overhead", ".2f"),
+                 ("val loss @ DDP budget", "val_at_budget", ".3f"), ("gap vs DDP", "gap_pct", "+.1f"),
+                 ("time to target s", "time_to_target_s", ".1f"),
+                 ("x faster than DDP", "ttt_speedup_vs_ddp", ".2f"),
+                 ("x faster than torch local SGD", "ttt_speedup_vs_torch", ".2f")]
+
+
+def markdown_table(rows: list[dict], columns=DEMO_COLUMNS) -> str:
+    """A GitHub-flavoured markdown table; ``None`` prints as ``n/a``.
+
+    >>> print(markdown_table([{"variant": "ddp", "final_val_loss": 2.5, "mean_step_ms": 10.0,
+    ...                        "mb_per_step": 1.0, "speedup": 1.0}]))
+    | variant | final val loss | time/step ms | MB/step | speedup vs DDP |
+    |---|---|---|---|---|
+    | ddp | 2.500 | 10.0 | 1.000 | 1.00 |
+    """
+    head = "| " + " | ".join(c[0] for c in columns) + " |"
+    sep = "|" + "---|" * len(columns)
+    body = []
+    for r in rows:
+        cells = []
+        for _, key, spec in columns:
+            v = r.get(key)
+            if key == "time_to_target_s" and v is None and "time_to_target_s" in r \
+                    and r["variant"] != "none":
+                cells.append("not reached")
+            elif key == "gap_pct" and v is not None:
+                cells.append(format(v, spec) + "%")
+            else:
+                cells.append(_fmt(v, spec))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *body])
+
+
+def write_section(path: str, body: str, title: str = SECTION) -> None:
+    """Put ``title`` + ``body`` into markdown file ``path``, replacing only that section.
+
+    Other sections (other ``## `` headings) are kept as they are, in place; a missing file
+    is created, a missing section appended.
+    """
+    text = open(path).read() if os.path.exists(path) else "# Benchmark results\n"
+    block = f"{title}\n\n{body.strip()}\n"
+    pat = re.compile(rf"^{re.escape(title)}\s*$.*?(?=^## |\Z)", re.S | re.M)
+    if pat.search(text):
+        text = pat.sub(lambda m: block + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    with open(path, "w") as f:
+        f.write(text.rstrip("\n") + "\n")
+
+
+def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "") -> str | None:
+    """Validation loss against wall-clock and against MB sent, one column per panel.
+
+    Returns the path written, or ``None`` without matplotlib.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    n = len(runs_by_panel)
+    fig, axes = plt.subplots(2, n, figsize=(5.5 * n, 8), squeeze=False)
+    for j, (panel, runs) in enumerate(runs_by_panel.items()):
+        for name, run in runs.items():
+            ev = run["evals"]
+            ls = "--" if name.startswith("ddp") or name.startswith("torch") else "-"
+            if name == "none":
+                ls = ":"
+            axes[0][j].plot([e["train_s"] for e in ev], [e["val_loss"] for e in ev], ls,
+                            marker=".", label=name)
+            if name != "none":
+                axes[1][j].plot([e["bytes"] / 1e6 for e in ev], [e["val_loss"] for e in ev], ls,
+                                marker=".", label=name)
+        axes[0][j].set(title=panel, xlabel="training wall-clock (s)", ylabel="validation loss")
+        axes[1][j].set(xlabel="MB sent by rank 0", ylabel="validation loss")
+        axes[1][j].set_xscale("symlog", linthresh=1.0)
+        for ax in (axes[0][j], axes[1][j]):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
