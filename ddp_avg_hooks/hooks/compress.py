@@ -20,16 +20,23 @@ Where the error-feedback residual ``e_r`` lives:
   freed by ``handle.remove()``. It is not part of ``handle.state_dict()``: to resume
   a checkpoint bit for bit, pass a :class:`HalfDeltaState`.
 
-Error bounds (per element, per round, ``u`` = unit roundoff: 2**-11 for fp16, 2**-8
-for bf16, ``d`` = the round's ``|delta| / world_size``):
+Error bounds, per element (``u`` = unit roundoff: 2**-11 for fp16, 2**-8 for bf16;
+``s`` = 2**-25, half of fp16's smallest subnormal, 0 for bf16; ``d`` = a rank's
+``|delta| / world_size``, ``S`` = the round's ``|sum of d|``; all tested in
+``tests/test_compress_hooks.py``):
 
-* without error feedback the round's result is off by at most ``u * d`` per rank plus
-  ``(world_size - 1) * u * |sum|`` for the half-precision sum, and these errors add up
-  over rounds like a random walk;
-* with error feedback the rank's own rounding is carried to the next round instead of
-  lost, so the parameters stay within one round's rounding (``u * d``) of the exact
-  trajectory of the sent deltas: the drift stays bounded (tested in
-  ``tests/test_compress_hooks.py``);
+* each rank's own rounding costs at most ``u * d + s`` per round. Without error
+  feedback these errors are lost and, for a persistent update direction, add up
+  linearly over rounds; updates with ``d < 2**-25`` never move the parameters at all.
+  With error feedback they are carried instead of lost: their total stays below
+  ``u * d + s`` per rank at any round count, and tiny updates are sent once their sum
+  is large enough.
+* the allreduce sums the half values in half precision (gloo and NCCL alike): up to
+  ``world_size - 1`` roundings of at most ``u * S + s`` per round. No rank can see that
+  error, so error feedback cannot recover it; it is unbiased but, in the worst case,
+  adds up to ``rounds * (world_size - 1) * (u * S + s)``, i.e. a relative error of
+  about ``(world_size - 1) * u`` of the distance the parameters travelled (fp16:
+  0.05% at two ranks), never a loss of the updates themselves.
 * ``delta / world_size`` must stay below 65504 for fp16 (bf16 has float32's range).
 """
 
