@@ -1,0 +1,84 @@
+"""The training example as users run it: torchrun, 2 CPU ranks, a tiny model."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ddp_avg_hooks.examples import launch, train
+
+TINY = ["--preset", "tiny", "--steps", "40", "--eval-every", "16", "--lr", "3e-3",
+        "--period", "4", "--progress", "off", "--corpus-bytes", "400000", "--timeout", "60"]
+
+
+@pytest.fixture(autouse=True)
+def _no_extension_build(monkeypatch):
+    # the example tests exercise the script, not the C++ build (make ext prebuilds it)
+    monkeypatch.setenv("DDP_AVG_HOOKS_DISABLE_EXT", "1")
+
+
+def _run(hook: str, tmp_path, extra=()) -> dict:
+    return launch.run_training([*TINY, "--hook", hook, *extra], str(tmp_path / hook),
+                               timeout_s=120)
+
+
+def _first_last(steps, k=5):
+    losses = [s["loss"] for s in steps]
+    return sum(losses[:k]) / k, sum(losses[-k:]) / k
+
+
+def test_ddp_trains_and_counts_gradient_bytes(tmp_path):
+    r = _run("ddp", tmp_path)
+    first, last = _first_last(r["steps"])
+    assert last < first - 0.5, (first, last)
+    assert r["evals"][-1]["val_loss"] < r["evals"][0]["val_loss"]
+    assert r["config"]["world_size"] == 2
+    # DDP all-reduces every gradient once per step: the fp32 model, tied weights counted once
+    assert {s["bytes"] for s in r["steps"]} == {4 * r["config"]["n_params"]}
+    assert r["summary"]["per_rank_bytes"][0] == r["summary"]["per_rank_bytes"][1]
+    assert os.path.exists(tmp_path / "ddp" / "metrics.json")
+
+
+def test_local_sgd_trains_and_bytes_agree_with_handle_stats(tmp_path):
+    try:
+        train.check_available("allreduce")
+    except train.HookUnavailable as exc:
+        pytest.skip(str(exc))
+    r = _run("allreduce", tmp_path, ["--warmup", "6"])
+    first, last = _first_last(r["steps"])
+    assert last < first - 0.5, (first, last)
+    steps, warmup, period = r["steps"], 6, 4
+    # schedule: averages iff s >= warmup and (s - warmup) % period == 0
+    assert [s["step"] for s in steps if s["averaged"]] == list(range(warmup, 40, period))
+    model_bytes = 4 * r["config"]["n_params"]
+    for s in steps:
+        expect = model_bytes if (s["step"] < warmup or s["averaged"]) else 0
+        assert s["bytes"] == expect, s
+    # handle.stats counts the averaging rounds only (not warm-up gradient sync)
+    stats = r["summary"]["handle_stats"]
+    assert stats["rounds"] == len(range(warmup, 40, period))
+    assert stats["bytes_sent"] == stats["rounds"] * model_bytes
+    assert r["summary"]["median_local_step_s"] is not None
+
+
+def test_unknown_or_missing_hook_is_a_clear_error(monkeypatch):
+    with pytest.raises(train.HookUnavailable, match="unknown"):
+        train.check_available("nope")
+    import ddp_avg_hooks as dah
+    monkeypatch.delattr(dah.hooks, "allreduce_hook")
+    with pytest.raises(train.HookUnavailable, match="allreduce_hook is not available"):
+        train.check_available("allreduce")
+
+
+def test_corpus_is_deterministic_and_split():
+    a = train.load_corpus(100_000)
+    b = train.load_corpus(100_000)
+    assert len(a) == 100_000 and bool((a == b).all())
+    tr, va = train.split(a, 0.1)
+    assert len(tr) == 90_000 and len(va) == 10_000 and bool((va == a[-10_000:]).all())
+
+
+def test_parse_args_preset_and_overrides():
+    a = train.parse_args(["--preset", "tiny", "--d-model", "48"])
+    assert a.d_model == 48 and a.n_layers == train.PRESETS["tiny"]["n_layers"]

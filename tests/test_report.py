@@ -1,0 +1,76 @@
+"""The report writer on a fixture: definitions, table, RESULTS.md section, plot."""
+from __future__ import annotations
+
+import pytest
+
+from ddp_avg_hooks.examples import report
+
+
+def _run(hook, steps, evals, median, mean, bytes_per_step, local=None, comm=0.0):
+    return {"config": {"hook": hook, "steps": steps},
+            "summary": {"median_step_s": median, "mean_step_s": mean, "bytes_per_step": bytes_per_step,
+                        "comm_share": comm, "median_local_step_s": local,
+                        "wire_bytes_per_step": None},
+            "evals": [{"step": s, "train_s": t, "bytes": b, "val_loss": v} for s, t, b, v in evals]}
+
+
+@pytest.fixture
+def runs():
+    return {
+        "none": _run("none", 4, [(2, 0.2, 0, 3.5), (4, 0.4, 0, 3.0)], 0.1, 0.1, 0, local=0.1),
+        "ddp": _run("ddp", 4, [(2, 1.0, 20, 3.0), (4, 2.0, 40, 2.0)], 0.5, 0.5, 10e6, comm=0.8),
+        "torch_localsgd": _run("torch_localsgd", 8, [(2, 0.5, 4, 3.2), (4, 1.0, 8, 2.4),
+                                                     (6, 1.5, 12, 2.1), (8, 2.0, 16, 1.9)],
+                               0.12, 0.25, 2e6, local=0.12),
+        "ours": _run("ours", 8, [(2, 0.3, 4, 3.1), (4, 0.6, 8, 2.04), (6, 0.9, 12, 1.99),
+                                 (8, 1.2, 16, 1.9)], 0.11, 0.15, 2e6, local=0.11),
+        "slow": _run("slow", 8, [(4, 3.0, 8, 2.5), (8, 6.0, 16, 2.2)], 0.75, 0.75, 1e6),
+    }
+
+
+def test_summarize_definitions(runs):
+    rows = {r["variant"]: r for r in report.summarize(runs)}
+    assert rows["ddp"]["time_to_target_s"] == 2.0                     # target = its own final loss
+    assert rows["ours"]["time_to_target_s"] == 0.9                    # first eval <= 2.0
+    assert rows["torch_localsgd"]["time_to_target_s"] == 2.0
+    assert rows["slow"]["time_to_target_s"] is None                   # not reached in 2x budget
+    assert rows["ours"]["ttt_speedup_vs_ddp"] == pytest.approx(2.0 / 0.9)
+    assert rows["ours"]["ttt_speedup_vs_torch"] == pytest.approx(2.0 / 0.9)
+    assert rows["ours"]["val_at_budget"] == 2.04                      # loss at equal samples
+    assert rows["ours"]["gap_pct"] == pytest.approx(2.0)
+    assert rows["ours"]["local_overhead"] == pytest.approx(1.1)
+    assert rows["none"]["local_overhead"] is None and rows["none"]["time_to_target_s"] is None
+    assert rows["ddp"]["mb_per_step"] == 10.0 and rows["ours"]["speedup"] == pytest.approx(0.5 / 0.15)
+
+
+def test_markdown_table(runs):
+    table = report.markdown_table(report.summarize(runs), report.BENCH_COLUMNS)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(runs)
+    assert all(line.count("|") == len(report.BENCH_COLUMNS) + 1 for line in lines)
+    slow = next(line for line in lines if line.startswith("| slow "))
+    assert "not reached" in slow
+    ours = next(line for line in lines if line.startswith("| ours "))
+    assert "| +2.0% |" in ours and "| 0.9 |" in ours and "| 2.22 |" in ours
+    none = next(line for line in lines if line.startswith("| none "))
+    assert "not reached" not in none
+
+
+def test_write_section_keeps_other_sections(tmp_path):
+    path = tmp_path / "RESULTS.md"
+    report.write_section(str(path), "first table")
+    assert path.read_text().startswith("# Benchmark results\n")
+    text = path.read_text() + "\n## Ops (issue 3)\n\nops numbers\n"
+    path.write_text(text)
+    report.write_section(str(path), "second table")
+    out = path.read_text()
+    assert "first table" not in out and "second table" in out
+    assert out.count(report.SECTION) == 1
+    assert "## Ops (issue 3)\n\nops numbers" in out
+    assert out.index(report.SECTION) < out.index("## Ops (issue 3)")
+
+
+def test_plot(tmp_path, runs):
+    pytest.importorskip("matplotlib")
+    path = report.plot({"loopback": runs, "100mbit": runs}, str(tmp_path / "p.png"), title="t")
+    assert path and (tmp_path / "p.png").stat().st_size > 10_000
