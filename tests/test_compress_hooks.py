@@ -25,7 +25,7 @@ from _dist import run_ranks
 def _round(hook, state, buckets: list[ParamBucket]) -> None:
     """One averaging round, as the registry runs it."""
     for b in buckets:
-        b.load_parameters()
+        b.start_round()
     futs = [hook(state, b) for b in buckets]
     values = [f.wait() for f in futs]
     for b, v in zip(buckets, values):

@@ -31,7 +31,7 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
 def _round(state, buckets: list[ParamBucket]) -> None:
     """One averaging round, as the registry runs it."""
     for b in buckets:
-        b.load_parameters()
+        b.start_round()
     futs = [powersgd_hook(state, b) for b in buckets]
     values = [f.wait() for f in futs]
     for b, v in zip(buckets, values):

@@ -190,7 +190,7 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype, name: 
         send = mem.send_buffer(half_dtype).copy_(corrected)  # the one rounding to half
         mem.residual.copy_(corrected).sub_(send)  # what the rounding lost, sent next round
     bucket.record_sent(send)
-    anchor, out = bucket.anchor(), bucket.buffer()
+    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
     fut = dist.all_reduce(send, group=group, async_op=True).get_future()
 
     def _decompress(fut: torch.futures.Future) -> torch.Tensor:
@@ -230,7 +230,7 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
 
     Returns:
-        A future of the new flat parameters (``bucket.buffer()``, overwritten).
+        A future of the new flat parameters (written into ``bucket.workspace()``).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -257,7 +257,7 @@ def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
 
     Returns:
-        A future of the new flat parameters (``bucket.buffer()``, overwritten).
+        A future of the new flat parameters (written into ``bucket.workspace()``).
 
     Example:
         >>> import torch, torch.distributed as dist

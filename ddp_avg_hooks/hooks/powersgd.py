@@ -375,7 +375,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
 
     Returns:
-        A future of the new flat parameters (``bucket.buffer()``, overwritten).
+        A future of the new flat parameters (written into ``bucket.workspace()``).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -403,7 +403,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
     c = bucket.delta(mem.p.dtype, scale=1.0 / dist.get_world_size(group))
     if mem.residual is not None:
         c.add_(mem.residual)
-    anchor, out = bucket.anchor(), bucket.buffer()
+    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
     result = _new_future(bucket.device)
 
     if round_ < state.start_powersgd_round or not layout.matrices:
