@@ -34,6 +34,9 @@ enum { DAH_FLOAT32 = 0, DAH_FLOAT16 = 1, DAH_BFLOAT16 = 2 };
 enum { DAH_OK = 0, DAH_EDTYPE = 1, DAH_EARG = 2 };
 
 /* ---- CPU: num_threads <= 1 runs on the calling thread ---- */
+/* Vector (AVX2/F16C) bodies: mode 1 on (if the CPU has them), 0 off, -1 query; returns
+ * whether they are on. Not thread-safe: for tests, while no op runs. */
+int dah_cpu_simd(int mode);
 int dah_flatten_cpu(const void* const* params, const int64_t* numels, const int64_t* offsets,
                     int64_t n, int param_dtype, void* flat, int flat_dtype, int has_scale,
                     float scale, int num_threads);

@@ -98,7 +98,8 @@ struct BF16 {
 };
 
 #ifdef DAH_X86_AVX2
-const bool kAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+bool kAvx2 = kHasAvx2;  // dah_cpu_simd(0) turns the vector bodies off (tests the scalar code)
 
 // 8 elements <-> 8 floats in a __m256, rounding exactly like the scalar versions above
 // (the F16C instructions are what torch's own vectorized CPU copy uses).
@@ -317,6 +318,16 @@ const typename D::T* at(const void* base, int64_t off) {
 }  // namespace
 
 extern "C" {
+
+int dah_cpu_simd(int mode) {
+#ifdef DAH_X86_AVX2
+  if (mode >= 0) kAvx2 = kHasAvx2 && mode > 0;
+  return kAvx2 ? 1 : 0;
+#else
+  (void)mode;
+  return 0;
+#endif
+}
 
 int dah_flatten_cpu(const void* const* params, const int64_t* numels, const int64_t* offsets,
                     int64_t n, int param_dtype, void* flat, int flat_dtype, int has_scale,

@@ -297,4 +297,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_", &apply, "params <- flat, anchor <- params; False: use the fallback",
         py::arg("flat"), py::arg("params"), py::arg("anchor") = py::none(), release());
   m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled in");
+  m.def("_cpu_simd", &dah_cpu_simd, "CPU vector bodies: 1 on, 0 off, -1 query (tests only)",
+        py::arg("mode") = -1);
 }

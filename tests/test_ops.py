@@ -10,6 +10,7 @@ paths disagree on them); everything else, signed zeros included, must match bit 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -162,9 +163,24 @@ class _Ext:
         assert self.m.apply_(flat, params, anchor), "extension declined a supported call"
 
 
-@pytest.fixture(params=["ext", "fallback"])
+@pytest.fixture(params=["ext", "ext_scalar", "fallback"])
 def impl(request):
-    return _Ext(_ext_module()) if request.param == "ext" else _fallback
+    """ext_scalar: the extension with its CPU vector (AVX2/F16C) bodies off."""
+    if request.param == "fallback":
+        yield _fallback
+        return
+    m = _ext_module()
+    if request.param == "ext":
+        yield _Ext(m)
+        return
+    old = m._cpu_simd(-1)
+    m._cpu_simd(0)
+    e = _Ext(m)
+    e.scalar = True
+    try:
+        yield e
+    finally:
+        m._cpu_simd(old)
 
 
 # CUDA variants of every correctness test exist only where a GPU does
@@ -186,13 +202,29 @@ def test_cuda_device_present():
         assert m.with_cuda(), "a GPU is present but the extension was built without CUDA"
 
 
-@pytest.fixture
-def threads(request):
-    """Two CPU threads for the large case (the extension splits work over threads)."""
+@pytest.fixture(autouse=True)
+def one_thread():
+    """References run on one thread (the suite shares few cores); see ``op_threads``."""
     old = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@contextlib.contextmanager
+def op_threads(case: str):
+    """The op under test gets two threads on the large case (the extension splits it)."""
+    torch.set_num_threads(2 if case == "large" else 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.fixture
+def threads(request, impl):
+    if getattr(impl, "scalar", False) and request.node.callspec.params.get("case") == "large":
+        pytest.skip("ext_scalar: the small cases cover the scalar conversions")
 
 
 def _ids(pair):
@@ -210,7 +242,8 @@ def test_flatten(impl, device, case, pair, threads):
     scales = SCALES if case in ("odd", "noncontig", "large") else [None, 1.0 / 3.0]
     for scale in scales:
         out = torch.full((numel(ps),), 7.0, dtype=od, device=device)
-        assert impl.flatten(ps, out, scale=scale) is out
+        with op_threads(case):
+            assert impl.flatten(ps, out, scale=scale) is out
         assert_bits(out, ref_flatten(ps, od, scale), f"flatten scale={scale}")
     for p, b in zip(ps, before):  # inputs untouched
         assert_bits(p, b, "flatten modified a parameter")
@@ -224,7 +257,8 @@ def test_unflatten(impl, device, case, pair, threads):
     layout = [(p.data_ptr(), p.stride()) for p in ps]
     flat = values(numel(ps), fd, seed=3).to(device)
     flat_before = flat.clone()
-    assert impl.unflatten_(flat, ps) is None
+    with op_threads(case):
+        assert impl.unflatten_(flat, ps) is None
     for i, (p, e) in enumerate(zip(ps, ref_split(flat, ps))):
         assert_bits(p, e, f"unflatten params[{i}]")
     assert [(p.data_ptr(), p.stride()) for p in ps] == layout  # in place, layout kept
@@ -246,7 +280,8 @@ def test_delta(impl, device, case, pd, ad, od, threads):
     anchor = values(numel(ps), ad, seed=5).to(device)
     for scale in (1.0, 0.125, 1.0 / 3.0):
         out = torch.empty(numel(ps), dtype=od, device=device)
-        assert impl.delta(anchor, ps, out, scale=scale) is out
+        with op_threads(case):
+            assert impl.delta(anchor, ps, out, scale=scale) is out
         cat = torch.cat([p.reshape(-1).float() for p in ps]) if ps else torch.empty(0, device=device)
         expected = ((anchor.float() - cat) * scale).to(od)
         assert_bits(out, expected, f"delta scale={scale}")
@@ -261,7 +296,8 @@ def test_apply(impl, device, case, pair, with_anchor, threads):
     ptrs = [p.data_ptr() for p in ps]
     flat = values(numel(ps), fd, seed=7).to(device)
     anchor = torch.empty(numel(ps), dtype=pd, device=device) if with_anchor else None
-    assert impl.apply_(flat, ps, anchor) is None
+    with op_threads(case):
+        assert impl.apply_(flat, ps, anchor) is None
     expected = ref_split(flat, ps)
     for i, (p, e) in enumerate(zip(ps, expected)):
         assert_bits(p, e, f"apply params[{i}]")
