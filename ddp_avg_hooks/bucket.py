@@ -73,6 +73,7 @@ class ParamBucket:
             self._anchor = torch.empty_like(self._buffer)
             self.reset_anchor()
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._memory: dict[str, torch.Tensor] = {}
         self._bytes_sent = 0
 
     # --- the GradBucket-shaped interface -------------------------------------------
@@ -153,6 +154,15 @@ class ParamBucket:
         if out is None:
             out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
         return ops.delta(self.anchor(), self._params, out, scale)
+
+    def memory(self) -> dict[str, torch.Tensor]:
+        """Tensors a hook keeps across rounds for this bucket (say, an error-feedback residual).
+
+        For hooks whose state is ``None`` or a process group and so has nowhere else to
+        keep them. The handle's ``state_dict()`` saves them, per rank, and
+        ``load_state_dict()`` restores them.
+        """
+        return self._memory
 
     def record_sent(self, *tensors: torch.Tensor) -> None:
         """Count the bytes of ``tensors`` as handed to a collective by this rank.

@@ -153,7 +153,7 @@ class AveragingHandle:
     def _error(self, bucket: ParamBucket, what: str) -> AveragingHookError:
         return AveragingHookError(
             f"averaging hook {self._hook_name!r} on bucket {bucket.index()} of "
-            f"{len(self._buckets)} (round {self.stats.rounds}, step {self._step_count}): {what}"
+            f"{len(self._buckets)} (round {self.stats.rounds + 1}, step {self._step_count}): {what}"
         )
 
     def _run_round(self) -> None:
@@ -211,18 +211,26 @@ class AveragingHandle:
         return value
 
     def _verify_agreement(self) -> None:
+        """Compare the step counter and an exact checksum of every bucket across ranks."""
         if not is_member(self.process_group):
             return
-        local = torch.stack(
-            [_checksum(bucket.load_parameters()) for bucket in self._buckets]
-        ).to(self._buckets[0].device)
+        sums = [_checksum(bucket.load_parameters()).cpu() for bucket in self._buckets]
+        local = torch.stack([torch.tensor(self._step_count, dtype=torch.int64), *sums])
+        if dist.get_backend(self.process_group) == "nccl":
+            local = local.to(self._buckets[0].device)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(self.process_group))]
         dist.all_gather(gathered, local, group=self.process_group)
         for rank, other in enumerate(gathered):
-            diff = (other != gathered[0]).nonzero()
+            if other[0] != gathered[0][0]:
+                raise AveragingHookError(
+                    f"verify=True: step counters differ after round {self.stats.rounds + 1} of "
+                    f"{self._hook_name!r}: group rank 0 is at step {int(gathered[0][0])}, "
+                    f"group rank {rank} at {int(other[0])} (was a step skipped on one rank?)"
+                )
+            diff = (other[1:] != gathered[0][1:]).nonzero()
             if len(diff):
                 raise AveragingHookError(
-                    f"verify=True: after round {self.stats.rounds} of {self._hook_name!r}, "
+                    f"verify=True: after round {self.stats.rounds + 1} of {self._hook_name!r}, "
                     f"bucket {int(diff[0])} differs between group ranks 0 and {rank}"
                 )
 
@@ -264,27 +272,54 @@ class AveragingHandle:
             "step_count": self._step_count,
             "config": self._config(),
             "anchors": [b.anchor().clone() if b.has_anchor() else None for b in self._buckets],
+            "bucket_memory": [
+                {k: v.clone() for k, v in b.memory().items()} for b in self._buckets
+            ],
         }
         if hasattr(self.state, "state_dict"):
             out["hook_state"] = self.state.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved; raises ``ValueError`` on a config mismatch."""
+        """Restore what :meth:`state_dict` saved (on this rank, into a fresh handle).
+
+        Raises ``ValueError`` naming the first difference when the checkpoint was made
+        with another hook, period, warm-up or bucket layout; nothing is changed then.
+        """
         self._check_alive("load_state_dict")
-        saved, mine = state_dict.get("config", {}), self._config()
-        for key, value in mine.items():
-            if key in saved and saved[key] != value:
-                raise ValueError(
-                    f"load_state_dict: the checkpoint's {key!r} is {saved[key]!r} but this "
-                    f"handle's is {value!r}; register with the same settings to resume"
-                )
-        anchors = state_dict.get("anchors", [None] * len(self._buckets))
+        if not isinstance(state_dict, dict) or "step_count" not in state_dict:
+            raise TypeError(
+                "load_state_dict: expected the dict returned by AveragingHandle.state_dict(), "
+                f"got {type(state_dict).__name__}"
+                + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
+            )
+        saved = state_dict.get("config", {})
+        for key, mine in self._config().items():
+            if key in saved and saved[key] != mine:
+                raise ValueError(f"load_state_dict: {_difference(key, saved[key], mine)}; "
+                                 "register with the same settings to resume")
+        anchors = state_dict.get("anchors") or [None] * len(self._buckets)
         for bucket, anchor in zip(self._buckets, anchors):
-            if anchor is not None and bucket.has_anchor():
-                bucket.anchor().copy_(anchor)
-        if "hook_state" in state_dict and hasattr(self.state, "load_state_dict"):
+            if bucket.has_anchor() and anchor is None:
+                raise ValueError(
+                    f"load_state_dict: bucket {bucket.index()} keeps an anchor but the "
+                    "checkpoint has none (was it saved by a handle without keep_anchor?)"
+                )
+        has_hook_state = hasattr(self.state, "load_state_dict")
+        if has_hook_state != ("hook_state" in state_dict):
+            raise ValueError(
+                "load_state_dict: the checkpoint "
+                + ("has no hook state but this hook's state needs one"
+                   if has_hook_state else "has a hook state but this hook's state takes none")
+            )
+        if has_hook_state:
             self.state.load_state_dict(state_dict["hook_state"])
+        memories = state_dict.get("bucket_memory") or [{} for _ in self._buckets]
+        for bucket, anchor, memory in zip(self._buckets, anchors, memories):
+            if bucket.has_anchor():
+                bucket.anchor().copy_(anchor)
+            bucket.memory().clear()
+            bucket.memory().update({k: v.to(bucket.device).clone() for k, v in memory.items()})
         self._step_count = int(state_dict["step_count"])
 
     def __repr__(self) -> str:
@@ -293,6 +328,16 @@ class AveragingHandle:
             f"warmup_steps={self._warmup_steps}, step_count={self._step_count}, "
             f"buckets={len(self._buckets)})"
         )
+
+
+def _difference(key: str, theirs, mine) -> str:
+    """One sentence naming where a saved or remote config differs from this one."""
+    if key == "layout":
+        if len(theirs) != len(mine):
+            return f"the bucket layout differs: {len(theirs)} buckets there, {len(mine)} here"
+        i = next(i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b)
+        return f"the bucket layout differs at bucket {i}: {theirs[i]} there, {mine[i]} here"
+    return f"{key!r} differs: {theirs!r} there, {mine!r} here"
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -4,7 +4,8 @@
 an OS-chosen port, runs ``fn(rank, world_size, **kw)`` in each after
 ``init_process_group`` (with a process-group timeout), and returns the per-rank
 results (loaded through files: tensors on an mp queue die with their process).
-A failing rank re-raises in the parent; ranks still running at the deadline are
+With ``hard_exit=True`` (fault tests) a rank leaves with ``os._exit(0)`` right after
+saving its result. A failing rank re-raises in the parent; ranks still running at the deadline are
 killed and ``TimeoutError`` is raised.
 """
 
@@ -24,7 +25,7 @@ PG_TIMEOUT_S = float(os.environ.get("DAH_TEST_PG_TIMEOUT", "20"))
 
 
 def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: float | None = None,
-              env: dict | None = None, **kw):
+              env: dict | None = None, missing_ok: bool = False, hard_exit: bool = False, **kw):
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     out = tempfile.mkdtemp(prefix="dah_ranks_")
@@ -32,7 +33,7 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
     try:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, store.port, out, pg_timeout, env or {}, kw),
+            args=(fn, world_size, store.port, out, pg_timeout, env or {}, hard_exit, kw),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -43,14 +44,16 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout_s}s")
-        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False)
-                for r in range(world_size)]
+        paths = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
+        # missing_ok: a rank that exits early on purpose (a simulated crash) returns None
+        return [torch.load(p, weights_only=False) if (os.path.exists(p) or not missing_ok) else None
+                for p in paths]
     finally:
         shutil.rmtree(out, ignore_errors=True)
         del store
 
 
-def _entry(rank, fn, world_size, port, out, pg_timeout, env, kw):
+def _entry(rank, fn, world_size, port, out, pg_timeout, env, hard_exit, kw):
     os.environ.update(env)
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
@@ -60,5 +63,9 @@ def _entry(rank, fn, world_size, port, out, pg_timeout, env, kw):
     try:
         result = fn(rank, world_size, **kw)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        if hard_exit:
+            # After a peer crashed, gloo may abort while tearing down the broken group;
+            # the result is saved, so leave without the teardown.
+            os._exit(0)
     finally:
         dist.destroy_process_group()

@@ -191,7 +191,7 @@ def test_state_dict_round_trip_and_mismatch(world1):
     assert [fresh.step() for _ in range(3)] == [True, False, False]
     other = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=4,
                                         warmup_steps=2)
-    with pytest.raises(ValueError, match="'period' is 3 but this handle's is 4"):
+    with pytest.raises(ValueError, match="'period' differs: 3 there, 4 here"):
         other.load_state_dict(saved)
     assert other.step_count == 0
 
