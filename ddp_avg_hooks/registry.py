@@ -68,6 +68,27 @@ class AveragingHandle:
     Averaging happens at step ``s`` (the number of earlier ``step()`` calls) iff
     ``s >= warmup_steps and (s - warmup_steps) % period == 0``, exactly as PyTorch's
     ``PeriodicModelAverager``.
+
+    With a ``GradScaler``, do not pass ``optimizer=``: the scaler skips
+    ``optimizer.step()`` on a rank whose gradients overflowed, and after the warm-up
+    gradients are local, so it may skip on one rank only. Call ``handle.step()`` every
+    iteration instead, after ``scaler.step(opt); scaler.update()``, so every rank's
+    counter advances together (``verify=True`` catches counters that drift apart).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+        ...                                      period=3, warmup_steps=1)
+        >>> [handle.step() for _ in range(6)], handle.in_warmup
+        ([False, True, False, False, True, False], False)
+        >>> handle.stats.rounds, handle.stats.bytes_sent
+        (2, 80)
+        >>> handle.load_state_dict(handle.state_dict()); handle.step_count
+        6
+        >>> handle.remove(); dist.destroy_process_group()
     """
 
     def __init__(
