@@ -188,7 +188,7 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype, name: 
     else:
         corrected = bucket.delta(scale=scale).add_(mem.residual)  # bucket dtype, exact-ish
         send = mem.send_buffer(half_dtype).copy_(corrected)  # the one rounding to half
-        mem.residual.copy_(corrected).sub_(send)  # what the rounding lost, sent next round
+        torch.sub(corrected, send, out=mem.residual)  # what the rounding lost, sent next round
     bucket.record_sent(send)
     anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
     fut = dist.all_reduce(send, group=group, async_op=True).get_future()
