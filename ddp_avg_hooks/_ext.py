@@ -29,6 +29,7 @@ import importlib
 import os
 import platform
 import sys
+import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -105,9 +106,20 @@ def _jit_build(verbose: bool = False) -> ModuleType:
     )
 
 
-@functools.cache
+_LOCK = threading.Lock()
+
+
 def load_extension() -> ModuleType | None:
     """The compiled ops module, or ``None`` (disabled or unavailable; warns once why)."""
+    with _LOCK:  # one attempt even when several threads make their first op call at once
+        return _load_once()
+
+
+load_extension.cache_clear = lambda: _load_once.cache_clear()  # type: ignore[attr-defined]
+
+
+@functools.cache
+def _load_once() -> ModuleType | None:
     if disabled():
         return None
     try:
@@ -122,6 +134,6 @@ def load_extension() -> ModuleType | None:
             f"pure-PyTorch fallback ops ({type(e).__name__}: {e}). "
             f"Set {ENV_DISABLE}=1 to skip the attempt.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=4,
         )
         return None
