@@ -8,7 +8,8 @@ every rank after ``dist.barrier()`` (``max(n // 100, 2)`` warm-up runs, then ``n
 and the all_reduce(MAX) of the per-rank times. Each timed run first adds a fixed
 rank-dependent perturbation to the parameters (so every round has a real delta to
 compress); the time of that perturbation alone is measured the same way and
-subtracted.
+subtracted. "pays off" is where the bytes saved outweigh the extra time measured here,
+``(allreduce bytes - hook bytes) / (hook time - allreduce time)``, as a link speed.
 
     python benchmarks/bench_hooks.py [--world-size 2] [-n 5] [--layers 8] [--width 512]
 """
@@ -132,8 +133,17 @@ def main() -> None:
           f"{res['numel'] / 1e6:.1f}M float32 params in {res['tensors']} tensors, "
           f"{rows[0][4]} buckets | n={args.n} | perturbation {res['t_perturb'] * 1e3:.1f} ms subtracted")
     for name, nbytes, t, rel_err, _ in rows:
+        # Loopback moves bytes almost for free, so extra time here is mostly compute. On a
+        # link of B bytes/s the hook wins when (ref_bytes - nbytes) / B > t - ref_t.
+        saved, extra = ref_bytes - nbytes, t - ref_t
+        if saved <= 0:
+            even = "-"
+        elif extra <= 0:
+            even = "always"
+        else:
+            even = f"below {saved * 8 / extra / 1e9:.2f} Gbit/s"
         print(f"{name:20s} bytes/round/rank {nbytes / 2**20:8.2f} MiB ({ref_bytes / nbytes:6.1f}x less)  "
-              f"round {t * 1e3:8.1f} ms ({t / ref_t:5.2f}x of allreduce)  "
+              f"round {t * 1e3:8.1f} ms ({t / ref_t:5.2f}x of allreduce)  pays off: {even:22s}  "
               f"|new - exact| / |exact - old| {rel_err:.2e}")
 
 
