@@ -140,7 +140,7 @@ class CharTransformer(nn.Module):
 PRESETS = {  # d_model, n_layers, n_heads, context, batch_size
     "tiny": dict(d_model=32, n_layers=1, n_heads=2, context=32, batch_size=8),
     "demo": dict(d_model=128, n_layers=2, n_heads=4, context=64, batch_size=8),
-    "bench": dict(d_model=192, n_layers=3, n_heads=4, context=96, batch_size=8),
+    "bench": dict(d_model=160, n_layers=3, n_heads=4, context=64, batch_size=8),  # ~1M params
     "issue": dict(d_model=256, n_layers=6, n_heads=8, context=128, batch_size=4),  # ~4.8M params
 }
 
