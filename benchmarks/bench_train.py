@@ -62,11 +62,23 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--quick", action="store_true", help="tiny model, 48 steps: pipeline check only")
+    p.add_argument("--replot", action="store_true",
+                   help="rebuild plot, summary and RESULTS.md from the JSON in --out; no training")
     a = p.parse_args(argv)
     if a.quick:
         a.preset, a.steps, a.eval_every = "tiny", 48, 8
     t_start = time.time()
     load_start = os.getloadavg()
+    if a.replot:
+        with open(os.path.join(a.out, "train_summary.json")) as f:
+            old = json.load(f)
+        all_runs, network_of = _load_runs(a.out, a.profiles.split(","))
+        a.steps = next(iter(all_runs.values()))["ddp"]["config"]["steps"]
+        t_start -= old["elapsed_s"]
+        a.loadavg_end = old["loadavg_end"]
+        _write_outputs(a, all_runs, network_of, old["notes"], t_start, old["loadavg_start"],
+                       old["command"].split()[2:])
+        return 0
 
     variants, notes = [], []
     for v in a.variants.split(","):
@@ -117,21 +129,39 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, f"train_{prof.name}.json"), "w") as f:
             json.dump({v: _columnar(dict(r)) for v, r in runs.items()}, f)
 
+    _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv)
+    return 0
+
+
+def _load_runs(out: str, profiles: list[str]) -> tuple[dict, dict]:
+    all_runs, network_of = {}, {}
+    for name in profiles:
+        path = os.path.join(out, f"train_{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                all_runs[name] = json.load(f)
+            network_of[name] = next(iter(all_runs[name].values()))["launch"]["network"]
+    return all_runs, network_of
+
+
+def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) -> None:
     first = next(iter(next(iter(all_runs.values())).values()))
     cfg = first["config"]
+    backend = next((r["config"].get("ops_backend") for runs in all_runs.values()
+                    for r in runs.values() if r["config"].get("ops_backend")), "n/a")
     header = (f"torch {torch.__version__} | cpu ({os.cpu_count()} cores, {platform.machine()}) | "
               f"world_size {cfg['world_size']} | float32 | {cfg['n_params'] / 1e6:.2f}M-param char "
               f"transformer (d={cfg['d_model']}, layers={cfg['n_layers']}, context={cfg['context']}), "
               f"batch {cfg['batch_size']}/rank | budget {a.steps} steps (others up to {2 * a.steps}) | "
-              f"period {a.period}, warm-up {a.warmup} | ops backend {cfg.get('ops_backend')}")
+              f"period {cfg['period']}, warm-up {cfg['warmup']} | ops backend {backend}")
     rows_by_profile = {prof: report.summarize(runs) for prof, runs in all_runs.items()}
     png = report.plot({f"{p}: {network_of[p]}" if p != "loopback" else p: r
                        for p, r in all_runs.items()}, os.path.join(a.out, "train.png"),
-                      title=header[:160])
+                      title=header.split(" | ops")[0])
     cmd = "python benchmarks/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
     elapsed = time.time() - t_start
     summary = dict(header=header, command=cmd.strip(), notes=notes, elapsed_s=elapsed,
-                   loadavg_start=load_start, loadavg_end=os.getloadavg(),
+                   loadavg_start=load_start, loadavg_end=getattr(a, "loadavg_end", None) or os.getloadavg(),
                    networks=network_of, rows=rows_by_profile)
     with open(os.path.join(a.out, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -154,7 +184,6 @@ def main(argv=None) -> int:
     report.write_section(a.results_md, "\n".join(md))
     print("\n".join(md))
     print(f"plot: {png}; results: {a.out}; table: {a.results_md}", file=sys.stderr)
-    return 0
 
 
 def _targets(rows: list[dict], prof: str) -> list[str]:

@@ -154,6 +154,8 @@ def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "") 
         return None
     n = len(runs_by_panel)
     fig, axes = plt.subplots(2, n, figsize=(5.5 * n, 8), squeeze=False)
+    names = list(dict.fromkeys(k for runs in runs_by_panel.values() for k in runs))
+    colors = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(names)}
     for j, (panel, runs) in enumerate(runs_by_panel.items()):
         for name, run in runs.items():
             ev = run["evals"]
@@ -161,18 +163,19 @@ def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "") 
             if name == "none":
                 ls = ":"
             axes[0][j].plot([e["train_s"] for e in ev], [e["val_loss"] for e in ev], ls,
-                            marker=".", label=name)
+                            marker=".", label=name, color=colors[name])
             if name != "none":
                 axes[1][j].plot([e["bytes"] / 1e6 for e in ev], [e["val_loss"] for e in ev], ls,
-                                marker=".", label=name)
-        axes[0][j].set(title=panel, xlabel="training wall-clock (s)", ylabel="validation loss")
+                                marker=".", label=name, color=colors[name])
+        axes[0][j].set_title(panel, fontsize=9)
+        axes[0][j].set(xlabel="training wall-clock (s)", ylabel="validation loss")
         axes[1][j].set(xlabel="MB sent by rank 0", ylabel="validation loss")
         axes[1][j].set_xscale("symlog", linthresh=1.0)
         for ax in (axes[0][j], axes[1][j]):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
