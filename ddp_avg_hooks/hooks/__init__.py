@@ -2,13 +2,16 @@
 
 from .compress import HalfDeltaState, bf16_compress_hook, fp16_compress_hook
 from .default import allreduce_hook
+from .outer import OuterOptimizerState, outer_optimizer
 from .powersgd import PowerSGDState, powersgd_hook
 
 __all__ = [
     "HalfDeltaState",
+    "OuterOptimizerState",
     "PowerSGDState",
     "allreduce_hook",
     "bf16_compress_hook",
     "fp16_compress_hook",
+    "outer_optimizer",
     "powersgd_hook",
 ]
