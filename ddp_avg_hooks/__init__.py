@@ -6,7 +6,7 @@ Example:
     (True, True)
 """
 
-from . import grad_hooks, hooks, ops
+from . import grad_hooks, hierarchy, hooks, ops
 from .bucket import ParamBucket, needs_anchor
 from .registry import (
     AveragingHandle,
@@ -21,6 +21,7 @@ __all__ = [
     "AveragingStats",
     "ParamBucket",
     "grad_hooks",
+    "hierarchy",
     "hooks",
     "needs_anchor",
     "ops",
