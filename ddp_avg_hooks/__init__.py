@@ -8,6 +8,7 @@ Example:
 
 from . import grad_hooks, hierarchy, hooks, ops
 from .bucket import ParamBucket, needs_anchor
+from .optim import AveragingOptimizer
 from .registry import (
     AveragingHandle,
     AveragingHookError,
@@ -18,6 +19,7 @@ from .registry import (
 __all__ = [
     "AveragingHandle",
     "AveragingHookError",
+    "AveragingOptimizer",
     "AveragingStats",
     "ParamBucket",
     "grad_hooks",
