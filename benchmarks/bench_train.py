@@ -11,7 +11,9 @@ Python stdlib source) for every variant, under every profile, in this one invoca
   namespaces joined by a veth pair shaped with ``tc tbf`` (a fresh pair per run, torn down
   on exit even on failure). Without root or ``ip netns`` it says so and runs loopback only.
   This kernel has no ``netem``: no delay is applied, and the output says so.
-- budget: DDP and ``none`` run ``--steps``; every other variant up to twice that.
+- budget: DDP (run first) and ``none`` run ``--steps``; every other variant runs at least
+  that and at most twice that, stopping at the first validation at or below DDP's final
+  validation loss (the target).
 
 Outputs: ``benchmarks/results/train_<profile>.json`` (every run: config, summary,
 validation curve, per-step columns), ``benchmarks/results/train_summary.json`` (the rows),
@@ -36,7 +38,7 @@ from ddp_avg_hooks.examples import launch, netns, report
 from ddp_avg_hooks.examples.train import HookUnavailable, check_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ["none", "ddp", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
+VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
             "allreduce", "fp16", "bf16", "powersgd"]
 BUDGET_1X = {"none", "ddp"}
 
@@ -53,10 +55,10 @@ def main(argv=None) -> int:
     p.add_argument("--profiles", default="loopback,1gbit,100mbit")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--preset", default="bench")
-    p.add_argument("--steps", type=int, default=160, help="DDP's step budget (others: 2x)")
+    p.add_argument("--steps", type=int, default=200, help="DDP's step budget (others: 2x)")
     p.add_argument("--period", type=int, default=8)
     p.add_argument("--warmup", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=16)
+    p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -111,6 +113,9 @@ def main(argv=None) -> int:
         for v in variants:
             steps = a.steps if v in BUDGET_1X else 2 * a.steps
             args = [*common, "--hook", v, "--steps", str(steps)]
+            if v not in BUDGET_1X and "ddp" in runs:  # up to 2x budget: stop once past DDP's loss
+                args += ["--stop-at-loss", str(runs["ddp"]["evals"][-1]["val_loss"]),
+                         "--min-steps", str(a.steps)]
             outdir = os.path.join(a.out, "runs", prof.name, v)
             t0 = time.time()
             if prof.shaped:

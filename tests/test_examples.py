@@ -29,7 +29,10 @@ def _first_last(steps, k=5):
 
 
 def test_ddp_trains_and_counts_gradient_bytes(tmp_path):
-    r = _run("ddp", tmp_path)
+    # --stop-at-loss: any loss stops at the first validation past --min-steps
+    r = _run("ddp", tmp_path, ["--stop-at-loss", "100", "--min-steps", "20"])
+    assert r["config"]["steps_done"] == 32 and len(r["steps"]) == 32
+    assert r["evals"][-1]["step"] == 32 and r["evals"][-1]["final"]
     first, last = _first_last(r["steps"])
     assert last < first - 0.5, (first, last)
     assert r["evals"][-1]["val_loss"] < r["evals"][0]["val_loss"]

@@ -109,10 +109,10 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
             logf.write("$ " + shell_line(argv, extra) + "\n")
         logf.flush()
         try:
-            for argv, extra in jobs:
+            for j, (argv, extra) in enumerate(jobs):  # stream: node 0's stderr only (rank 0's bar)
                 procs.append(subprocess.Popen(
                     argv, env=_env(extra), stdout=logf,
-                    stderr=None if stream else subprocess.STDOUT, start_new_session=True))
+                    stderr=None if stream and j == 0 else subprocess.STDOUT, start_new_session=True))
             deadline = time.monotonic() + timeout_s
             while any([p.poll() is None for p in procs]):  # a list: poll every process
                 if time.monotonic() > deadline:

@@ -28,6 +28,10 @@ import re
 SECTION = "## End-to-end training (issue 5)"
 
 
+def _steps(run: dict) -> int:
+    return run["config"].get("steps_done", run["config"]["steps"])
+
+
 def time_to_target(run: dict, target: float) -> float | None:
     for e in run["evals"]:
         if e["val_loss"] <= target:
@@ -46,7 +50,7 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
               reference: str = "torch_localsgd") -> list[dict]:
     """One row per run (in ``runs`` order) with the metrics defined in the module docstring."""
     base = runs.get(baseline)
-    budget = base["config"]["steps"] if base else None
+    budget = _steps(base) if base else None
     target = base["evals"][-1]["val_loss"] if base else None
     base_ttt = time_to_target(base, target) if base else None
     ref_ttt = time_to_target(runs[reference], target) if reference in runs and base else None
@@ -55,7 +59,7 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
     rows = []
     for name, run in runs.items():
         s = run["summary"]
-        row = dict(variant=name, steps=run["config"]["steps"],
+        row = dict(variant=name, steps=_steps(run),
                    final_val_loss=run["evals"][-1]["val_loss"],
                    median_step_ms=s["median_step_s"] * 1e3, mean_step_ms=s["mean_step_s"] * 1e3,
                    mb_per_step=s["bytes_per_step"] / 1e6,

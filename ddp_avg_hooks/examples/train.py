@@ -322,6 +322,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=32,
                    help="validate the ranks' average model every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--stop-at-loss", type=float, default=None,
+                   help="stop at the first validation at or below this loss, once past --min-steps")
+    p.add_argument("--min-steps", type=int, default=0)
     p.add_argument("--val-frac", type=float, default=0.05)
     p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
@@ -463,12 +466,23 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
             evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
                               train_s=round(train_s, 4), bytes=total_bytes,
                               val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5)))
+            if args.stop_at_loss is not None and i + 1 >= args.min_steps:
+                # rank 0 decides (ranks that never communicate validate different models)
+                stop = torch.tensor([float(rank == 0 and evals[-1]["val_loss"] <= args.stop_at_loss)])
+                raw_all_reduce(stop)  # SUM: untimed, uncounted, like validation
+                if stop.item() > 0:
+                    break
     wire1 = _read_wire(wire_if)
     if bar is not None:
         bar.close()
-    evals.append(dict(step=args.steps, samples=args.steps * args.batch_size * world,
-                      train_s=round(train_s, 4), bytes=total_bytes,
-                      val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5), final=True))
+    done = len(steps)
+    if evals and evals[-1]["step"] == done:  # stopped right after a validation
+        evals[-1]["final"] = True
+    else:
+        evals.append(dict(step=done, samples=done * args.batch_size * world,
+                          train_s=round(train_s, 4), bytes=total_bytes,
+                          val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5),
+                          final=True))
     stats = None
     if variant.handle is not None:
         s = variant.handle.stats
@@ -496,11 +510,11 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         per_rank_bytes=[int(t[1]) for t in all_ranks],
         handle_stats=stats,
     )
-    result = dict(config=dict(vars(args), world_size=world, n_params=n_params,
+    result = dict(config=dict(vars(args), world_size=world, steps_done=done, n_params=n_params,
                               torch=torch.__version__, wire_iface=wire_if, ops_backend=ops_backend,
                               corpus=sysconfig.get_paths()["stdlib"]),
                   summary=summary, steps=steps, evals=evals)
-    print(f"[{args.hook}] world={world} params={n_params / 1e6:.2f}M steps={args.steps} "
+    print(f"[{args.hook}] world={world} params={n_params / 1e6:.2f}M steps={done} "
           f"val_loss={summary['final_val_loss']:.4f} median_step={summary['median_step_s'] * 1e3:.1f}ms "
           f"MB/step={summary['bytes_per_step'] / 1e6:.3f} comm_share={summary['comm_share']:.2f}",
           file=sys.stderr)
