@@ -74,6 +74,7 @@ class ParamBucket:
             self.reset_anchor()
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._memory: dict[str, torch.Tensor] = {}
+        self._launch: torch.Tensor | None = None  # parameters when an overlapped round began
         self._bytes_sent = 0
 
     # --- the GradBucket-shaped interface -------------------------------------------
@@ -189,6 +190,34 @@ class ParamBucket:
         ops.apply_(values.reshape(-1), self._params, self._anchor)
 
     @torch.no_grad()
+    @torch.no_grad()
+    def snapshot_launch(self) -> None:
+        """Remember the parameters as an overlapped round begins (one copy, kept)."""
+        if self._launch is None:
+            self._launch = torch.empty_like(self._buffer)
+        ops.flatten(self._params, self._launch)
+
+    @torch.no_grad()
+    def write_back_with_progress(self, values: torch.Tensor) -> None:
+        """Apply an overlapped round: ``params <- params + (values - params_at_launch)``.
+
+        Keeps the local progress made while the round was in flight; the anchor
+        becomes ``values`` (identical on every rank).
+        """
+        correction = self._launch.neg_().add_(values.reshape(-1))
+        torch._foreach_add_(self._params, _split_like(correction, self._params))
+        if self._anchor is not None:
+            self._anchor.copy_(values.reshape(-1))
+
+    @torch.no_grad()
+    def squared_distance(self, values: torch.Tensor, *, from_launch: bool = False) -> torch.Tensor:
+        """``||params - values||^2`` in float64 (``from_launch``: the launch snapshot)."""
+        source = _split_like(self._launch, self._params) if from_launch else self._params
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p, v in zip(source, _split_like(values.reshape(-1), self._params)):
+            total += (p.double() - v.double()).pow(2).sum()
+        return total
+
     def reset_anchor(self) -> None:
         """Make the current parameters the anchor (a no-op without anchors)."""
         if self._anchor is not None:
@@ -207,6 +236,15 @@ class ParamBucket:
             f"ParamBucket(index={self._index}, params={len(self._params)}, "
             f"numel={self._numel}, dtype={self.dtype}, device={self.device})"
         )
+
+
+def _split_like(flat: torch.Tensor, params) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``params``, in order."""
+    out, offset = [], 0
+    for p in params:
+        out.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return out
 
 
 def assign_buckets(

@@ -349,5 +349,5 @@ def _rank_missing_registration(rank, world_size):
 
 
 def test_a_rank_that_never_registers_gives_an_error_not_a_hang():
-    messages = run_ranks(_rank_missing_registration, 2, timeout_s=60, pg_timeout_s=3)
+    messages = run_ranks(_rank_missing_registration, 2, timeout_s=60, pg_timeout_s=3, hard_exit=True)
     assert "did every rank of the group register" in messages[0]

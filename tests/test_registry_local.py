@@ -269,7 +269,7 @@ def test_check_finite_rejects_nan_before_writing(world1):
 
 
 def test_round_allocates_nothing_the_size_of_the_model(world1):
-    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     ddp = DDP(model)
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)

@@ -1,0 +1,219 @@
+"""Period schedules: when the next averaging round comes, decided after each round.
+
+``register_averaging_hook(..., period=...)`` takes an int (a constant period, PyTorch's
+``PeriodicModelAverager`` schedule) or one of these objects. After warm-up the first
+round runs at step ``warmup_steps``; after a round at step ``s`` the next runs at
+``s + schedule.next_period(s)``. Every rank must decide the same, so a schedule may
+only depend on the step and on values agreed across ranks.
+
+Example:
+    >>> from ddp_avg_hooks.schedules import PostLocalPeriod
+    >>> s = PostLocalPeriod(period=2, switch_step=6, period_after=8)
+    >>> [s.next_period(step) for step in (0, 4, 6, 14)]
+    [2, 2, 8, 8]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+
+def _check_period(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class PeriodSchedule:
+    """Base class: override :meth:`next_period`; keep any state in ``state_dict()``."""
+
+    def bind(self, process_group) -> None:
+        """Called once at registration with the averaging group."""
+
+    def next_period(self, step: int) -> int:
+        """Steps from the round at ``step`` to the next round (an int >= 1)."""
+        raise NotImplementedError
+
+    @property
+    def current(self) -> int:
+        """The period in force now (for display)."""
+        raise NotImplementedError
+
+    def describe(self):
+        """What every rank must agree on (compared at registration)."""
+        return repr(self)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+class ConstantPeriod(PeriodSchedule):
+    """Every ``period`` steps: what an int ``period`` means.
+
+    Example:
+        >>> ConstantPeriod(4).next_period(100)
+        4
+    """
+
+    def __init__(self, period: int) -> None:
+        self.period = _check_period("period", period)
+
+    def next_period(self, step: int) -> int:
+        return self.period
+
+    @property
+    def current(self) -> int:
+        return self.period
+
+    def describe(self):
+        return self.period
+
+    def __repr__(self) -> str:
+        return f"ConstantPeriod({self.period})"
+
+
+class PostLocalPeriod(PeriodSchedule):
+    """``period`` until ``switch_step``, then ``period_after`` (e.g. short, then long).
+
+    Example:
+        >>> PostLocalPeriod(period=1, switch_step=100, period_after=16).next_period(100)
+        16
+    """
+
+    def __init__(self, period: int, switch_step: int, period_after: int) -> None:
+        self.period = _check_period("period", period)
+        self.period_after = _check_period("period_after", period_after)
+        if isinstance(switch_step, bool) or not isinstance(switch_step, int) or switch_step < 0:
+            raise ValueError(f"switch_step must be an int >= 0, got {switch_step!r}")
+        self.switch_step = switch_step
+        self._current = period
+
+    def next_period(self, step: int) -> int:
+        self._current = self.period if step < self.switch_step else self.period_after
+        return self._current
+
+    @property
+    def current(self) -> int:
+        return self._current
+
+    def __repr__(self) -> str:
+        return (f"PostLocalPeriod(period={self.period}, switch_step={self.switch_step}, "
+                f"period_after={self.period_after})")
+
+
+class StepwisePeriod(PeriodSchedule):
+    """A period that changes at milestones: ``{step: period}`` (STL-SGD style).
+
+    Grow the period where the learning rate decays: with ``MultiStepLR(milestones=[m1,
+    m2])``, ``StepwisePeriod(4, {m1: 8, m2: 16})``.
+
+    Example:
+        >>> s = StepwisePeriod(2, {10: 4, 20: 8})
+        >>> [s.next_period(step) for step in (0, 9, 10, 25)]
+        [2, 2, 4, 8]
+    """
+
+    def __init__(self, initial: int, milestones: Mapping[int, int]) -> None:
+        self.initial = _check_period("initial", initial)
+        if not isinstance(milestones, Mapping):
+            raise TypeError(f"milestones must map step -> period, got {type(milestones).__name__}")
+        self.milestones = {int(k): _check_period(f"milestones[{k}]", v)
+                           for k, v in sorted(milestones.items())}
+        self._current = initial
+
+    def next_period(self, step: int) -> int:
+        period = self.initial
+        for start, p in self.milestones.items():
+            if step >= start:
+                period = p
+        self._current = period
+        return period
+
+    @property
+    def current(self) -> int:
+        return self._current
+
+    def __repr__(self) -> str:
+        return f"StepwisePeriod({self.initial}, {self.milestones})"
+
+
+class AdaCommPeriod(PeriodSchedule):
+    """A period that shrinks as the loss falls (AdaComm, Wang & Joshi 2019).
+
+    Feed it every step's loss with :meth:`observe`. At each round the mean loss since
+    the previous round is averaged across ranks (one 2-element allreduce, so every rank
+    decides the same) and the next period is
+    ``ceil(initial * sqrt(loss / first_loss))``, clamped to ``[min_period, initial]``.
+
+    Example:
+        >>> s = AdaCommPeriod(initial=16, min_period=2)
+        >>> s.current
+        16
+    """
+
+    def __init__(self, initial: int, min_period: int = 1) -> None:
+        self.initial = _check_period("initial", initial)
+        self.min_period = _check_period("min_period", min_period)
+        if min_period > initial:
+            raise ValueError(f"min_period ({min_period}) must be <= initial ({initial})")
+        self._group = None
+        self._sum, self._count = 0.0, 0
+        self._first_loss: float | None = None
+        self._current = initial
+
+    def bind(self, process_group) -> None:
+        self._group = process_group
+
+    def observe(self, loss) -> None:
+        """Record one step's loss on this rank (a float or a 0-dim tensor)."""
+        self._sum += float(loss)
+        self._count += 1
+
+    def next_period(self, step: int) -> int:
+        totals = torch.tensor([self._sum, float(self._count)], dtype=torch.float64)
+        if self._group is not None and dist.get_world_size(self._group) > 1:
+            dist.all_reduce(totals, group=self._group)
+        self._sum, self._count = 0.0, 0
+        if totals[1] > 0:
+            loss = float(totals[0] / totals[1])
+            if self._first_loss is None:
+                self._first_loss = loss
+            elif self._first_loss > 0 and loss >= 0:
+                ratio = math.sqrt(loss / self._first_loss)
+                self._current = max(self.min_period, min(self.initial, math.ceil(self.initial * ratio)))
+        return self._current
+
+    @property
+    def current(self) -> int:
+        return self._current
+
+    def describe(self):
+        return f"AdaCommPeriod(initial={self.initial}, min_period={self.min_period})"
+
+    def state_dict(self) -> dict:
+        return {"sum": self._sum, "count": self._count, "first_loss": self._first_loss,
+                "current": self._current}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._sum, self._count = float(state_dict["sum"]), int(state_dict["count"])
+        self._first_loss = state_dict["first_loss"]
+        self._current = int(state_dict["current"])
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def as_schedule(period) -> PeriodSchedule:
+    """An int becomes a :class:`ConstantPeriod`; a schedule passes through."""
+    if isinstance(period, PeriodSchedule):
+        return period
+    return ConstantPeriod(period)
