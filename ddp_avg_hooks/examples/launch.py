@@ -84,7 +84,7 @@ def _kill_tree(p: subprocess.Popen) -> None:
 
 def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = None,
                  nproc: int = 2, timeout_s: float = 600.0, log: str | None = None,
-                 stream: bool = False) -> dict:
+                 stream: bool = False, rdzv_id: str | None = None) -> dict:
     """Run one training job to completion; returns rank 0's metrics.json (plus launch info).
 
     ``stream``: the children's stderr (rank 0's progress bar) goes to ours; otherwise
@@ -100,7 +100,7 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
     else:
         if nproc != 2:
             raise ValueError("the two-namespace launch runs one rank per node (nproc=2)")
-        jobs = two_node_commands(pair, args)
+        jobs = two_node_commands(pair, args, rdzv_id)
     log = log or os.path.join(out, "launch.log")
     procs = []
     t0 = time.perf_counter()
@@ -145,3 +145,52 @@ def _tail(path: str, n: int = 30) -> str:
     except OSError:
         return ""
     return "".join(lines[-n:])
+
+
+def main(argv=None) -> int:
+    """``python -m ddp_avg_hooks.examples.launch [--profile 100mbit] [--record F] -- TRAIN ARGS``
+
+    Runs the training script as two torchrun nodes in two network namespaces, printing
+    the exact command of each node and the outcome.
+    """
+    import argparse
+    from . import netns
+    p = argparse.ArgumentParser(description="train.py as two torchrun nodes in two network namespaces")
+    p.add_argument("--profile", default="100mbit", choices=sorted(netns.PROFILES))
+    p.add_argument("--out", default=os.path.join("out", "two_node"))
+    p.add_argument("--record", default=None, help="also write the commands and outcome to this JSON")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    ok, why = netns.netns_available()
+    if not ok:
+        print(f"cannot make network namespaces here: {why}", file=sys.stderr)
+        return 2
+    train_args = [x for x in a.train_args if x != "--"]
+    prof = netns.PROFILES[a.profile]
+    if not prof.shaped:
+        prof = netns.Profile("veth", rate_mbit=None)
+    with netns.NetnsPair(prof) as pair:
+        print(f"network: {pair.describe()}")
+        for argv_, extra in two_node_commands(pair, [*train_args, "--out", a.out], rdzv_id="two-node-demo"):
+            print("$ " + shell_line(argv_, extra))
+        t0 = time.perf_counter()
+        try:
+            r = run_training(train_args, a.out, pair=pair, timeout_s=a.timeout, stream=True,
+                             rdzv_id="two-node-demo")
+            outcome = dict(ok=True, **{k: r["summary"][k] for k in (
+                "final_val_loss", "median_step_s", "bytes_per_step", "wire_bytes_per_step",
+                "per_rank_train_s")}, world_size=r["config"]["world_size"])
+        except LaunchError as exc:
+            r, outcome = None, dict(ok=False, error=str(exc)[:2000])
+        outcome["wall_s"] = time.perf_counter() - t0
+    print(json.dumps(outcome, indent=1))
+    if a.record:
+        with open(a.record, "w") as f:
+            json.dump(dict(network=pair.describe(), train_args=train_args,
+                           commands=r["launch"]["commands"] if r else None, outcome=outcome), f, indent=1)
+    return 0 if outcome["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
