@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "bench_train"),
+                   help="per-run metrics.json and launch.log (not committed)")
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--quick", action="store_true", help="tiny model, 48 steps: pipeline check only")
     p.add_argument("--replot", action="store_true",
@@ -116,7 +118,7 @@ def main(argv=None) -> int:
             if v not in BUDGET_1X and "ddp" in runs:  # up to 2x budget: stop once past DDP's loss
                 args += ["--stop-at-loss", str(runs["ddp"]["evals"][-1]["val_loss"]),
                          "--min-steps", str(a.steps)]
-            outdir = os.path.join(a.out, "runs", prof.name, v)
+            outdir = os.path.join(a.runs_dir, prof.name, v)
             t0 = time.time()
             if prof.shaped:
                 with netns.NetnsPair(prof) as pair:
@@ -186,9 +188,34 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
     for prof, rows in rows_by_profile.items():
         md += [f"### {prof}: {network_of[prof]}", "", report.markdown_table(rows, report.BENCH_COLUMNS), ""]
         md += _targets(rows, prof)
+    md += _two_node_record(os.path.join(a.out, "two_node.json"))
     report.write_section(a.results_md, "\n".join(md))
     print("\n".join(md))
     print(f"plot: {png}; results: {a.out}; table: {a.results_md}", file=sys.stderr)
+
+
+def _two_node_record(path: str) -> list[str]:
+    """The recorded ``python -m ddp_avg_hooks.examples.launch`` run (item 4), if any."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rec = json.load(f)
+    o = rec["outcome"]
+    md = ["### Two torchrun nodes in two network namespaces", "",
+          f"`python -m ddp_avg_hooks.examples.launch --profile 100mbit --record "
+          f"benchmarks/results/two_node.json -- {' '.join(rec['train_args'])}` ran, on "
+          f"{rec['network']}:", "", "```"]
+    md += [c.replace(os.getcwd() + "/", "") for c in rec.get("commands") or []]
+    md += ["```", ""]
+    if o.get("ok"):
+        md.append(f"Outcome: world_size {o['world_size']}, final validation loss "
+                  f"{o['final_val_loss']:.3f}, median step {o['median_step_s'] * 1e3:.0f} ms, "
+                  f"{o['bytes_per_step'] / 1e6:.3f} MB/step handed to collectives, "
+                  f"{(o.get('wire_bytes_per_step') or 0) / 1e6:.3f} MB/step on the veth "
+                  f"(kernel counter), {o['wall_s']:.0f} s including start-up.")
+    else:
+        md.append(f"Outcome: failed: {o.get('error')}")
+    return md + [""]
 
 
 def _targets(rows: list[dict], prof: str) -> list[str]:
