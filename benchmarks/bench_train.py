@@ -120,11 +120,16 @@ def main(argv=None) -> int:
                          "--min-steps", str(a.steps)]
             outdir = os.path.join(a.runs_dir, prof.name, v)
             t0 = time.time()
-            if prof.shaped:
-                with netns.NetnsPair(prof) as pair:
-                    run = launch.run_training(args, outdir, pair=pair, timeout_s=a.timeout)
-            else:
-                run = launch.run_training(args, outdir, timeout_s=a.timeout)
+            try:
+                if prof.shaped:
+                    with netns.NetnsPair(prof) as pair:
+                        run = launch.run_training(args, outdir, pair=pair, timeout_s=a.timeout)
+                else:
+                    run = launch.run_training(args, outdir, timeout_s=a.timeout)
+            except launch.LaunchError as exc:  # report it, keep the other variants
+                notes.append(f"{prof.name} / {v} FAILED: {str(exc).splitlines()[0]}")
+                print(notes[-1], file=sys.stderr, flush=True)
+                continue
             network_of[prof.name] = run["launch"]["network"]
             s = run["summary"]
             print(f"{prof.name:9s} {v:15s} steps={steps:4d} val={s['final_val_loss']:.4f} "
