@@ -24,7 +24,11 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
 
 Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
 step seconds, bytes this rank handed to collectives, seconds waiting on communication,
-whether parameters were averaged), validation records, and a summary.
+whether parameters were averaged), validation records, and a summary. Validation (every
+``--eval-every`` steps and at the end) scores the average of the ranks' parameters (see
+:class:`ConsensusEval`); its time is excluded from the training clock.
+``--stop-at-loss L --min-steps N`` ends the run at the first validation at or below ``L``
+once ``N`` steps are done (the benchmark's "up to twice DDP's budget").
 
 Bytes are counted the same way for every variant: the size of every tensor this rank
 passes to ``torch.distributed`` collectives during the step (a counting wrapper around
