@@ -115,19 +115,23 @@ def node_groups(
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 8))
         >>> groups = dah.hierarchy.node_groups(ranks_per_node=1)
-        >>> intra = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, groups.intra, period=2)
+        >>> intra = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, groups.intra,
+        ...                                     period=2)
         >>> inter = dah.register_averaging_hook(ddp, dah.hooks.powersgd_hook,
         ...                                     dah.hooks.PowerSGDState(), period=4)
         >>> for _ in range(8):
         ...     _ = intra.step(), inter.step()
-        >>> intra.stats.rounds, inter.stats.rounds, intra.stats.bytes_sent, inter.stats.bytes_sent  # 4 x 136 x 4 B, 2 x (8 + 16 + 8) x 4 B
+        >>> # bytes: 4 rounds x 136 numbers x 4 B; 2 rounds x (8 + 16 + 8) numbers x 4 B
+        >>> intra.stats.rounds, inter.stats.rounds, intra.stats.bytes_sent, inter.stats.bytes_sent
         (4, 2, 2176, 256)
         >>> intra.remove(); inter.remove(); dist.destroy_process_group()
     """
     if not dist.is_initialized():
         raise RuntimeError("node_groups: call dist.init_process_group first")
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
-        raise TypeError(f"node_groups: ranks_per_node must be an int, got {type(ranks_per_node).__name__}")
+        raise TypeError(
+            f"node_groups: ranks_per_node must be an int, got {type(ranks_per_node).__name__}"
+        )
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(

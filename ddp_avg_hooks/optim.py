@@ -74,7 +74,8 @@ class AveragingOptimizer(torch.optim.Optimizer):
                 "AveragingOptimizer: optimizer must be a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}"
             )
-        if not all(callable(getattr(handle, m, None)) for m in ("step", "state_dict", "load_state_dict")):
+        methods = ("step", "state_dict", "load_state_dict")
+        if not all(callable(getattr(handle, m, None)) for m in methods):
             raise TypeError(
                 "AveragingOptimizer: handle must be the AveragingHandle returned by "
                 f"register_averaging_hook, got {type(handle).__name__}"

@@ -183,8 +183,10 @@ def test_state_and_hook_validation(world1):
         dah.hooks.outer_optimizer(None)
     state = dah.hooks.OuterOptimizerState(momentum=0)
     assert state.optimizer_kwargs == {"lr": 0.7, "momentum": 0, "nesterov": False}
-    handle = dah.register_averaging_hook(ddp, hook, state)
+    handle = dah.register_averaging_hook(ddp, hook, state, bucket_cap_mb=100 / 2**20)
     assert "outer_optimizer(ddp_avg_hooks.hooks.default.allreduce_hook)" in repr(handle)
+    # created eagerly at registration (the hook's prepare_bucket), one per bucket
+    assert sorted(state.optimizers) == list(range(len(handle.buckets))) != [0]
     handle.remove()
 
 

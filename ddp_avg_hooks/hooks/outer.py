@@ -92,7 +92,8 @@ class OuterOptimizerState:
             the one this state reports as ``process_group``.
         optimizer: the outer optimizer. ``None`` (default): ``torch.optim.SGD`` with
             DiLoCo's ``lr=0.7, momentum=0.9, nesterov=True``, each overridable by
-            ``optimizer_kwargs`` (``momentum=0`` alone turns Nesterov off too). A ``torch.optim.Optimizer`` subclass: called as
+            ``optimizer_kwargs`` (``momentum=0`` alone turns Nesterov off too). A
+            ``torch.optim.Optimizer`` subclass: called as
             ``optimizer(params, **optimizer_kwargs)``. Any other callable: a factory
             ``optimizer(params) -> torch.optim.Optimizer`` (no ``optimizer_kwargs``).
             It is called once per bucket, with a list holding that bucket's outer
@@ -112,10 +113,10 @@ class OuterOptimizerState:
         >>> state = OuterOptimizerState(PowerSGDState(), torch.optim.Adam, lr=1e-2)
         >>> sorted(state.state_dict())
         ['buckets', 'inner', 'optimizer']
-        >>> OuterOptimizerState(lr=-1.0)
+        >>> OuterOptimizerState(lr=-1.0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: OuterOptimizerState: the outer optimizer rejects its options: Invalid learning rate: -1.0
+        ValueError: OuterOptimizerState: the outer optimizer rejects its options: Invalid ... -1.0
     """
 
     __slots__ = ("inner_state", "optimizer_name", "optimizer_kwargs", "_factory", "_buckets",
@@ -291,7 +292,9 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
         >>> handle.remove(); dist.destroy_process_group()
     """
     if not callable(inner_hook):
-        raise TypeError(f"outer_optimizer: inner_hook must be callable, got {type(inner_hook).__name__}")
+        raise TypeError(
+            f"outer_optimizer: inner_hook must be callable, got {type(inner_hook).__name__}"
+        )
     name = f"outer_optimizer({_hook_name(inner_hook)})"
 
     def hook(state: OuterOptimizerState, bucket: ParamBucket) -> torch.futures.Future:
