@@ -103,7 +103,9 @@ class AveragingHandle:
     the anchor, not on the parameters: each keeps the local steps taken while the
     round was in flight (up to ``period - 1`` stale steps). ``average()``,
     ``state_dict()`` and ``remove()`` finish a round in flight first. Hooks must read
-    the parameters (``buffer()``, ``delta()``) before they return.
+    the parameters (``buffer()``, ``delta()``) before they return. The cross-rank
+    checks of an overlapped round (``verify``, ``track_consensus``) run at the next
+    round, the first step all ranks are sure to share.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -154,6 +156,7 @@ class AveragingHandle:
         self._state_buckets: list[ParamBucket] = []
         self._state_tensors: tuple = ()
         self._in_flight: _Round | None = None
+        self._deferred_checks: tuple | None = None
         self._step_count = 0
         self._removed = False
         self.stats = AveragingStats()
@@ -203,6 +206,7 @@ class AveragingHandle:
         if self._in_flight is not None and (averaging or self._in_flight_done()):
             self._finish(self._in_flight)
         if averaging:
+            self._run_deferred_checks()
             pending = self._launch(overlapped=self._options.overlap)
             if not pending.overlapped:
                 self._finish(pending)
@@ -218,6 +222,7 @@ class AveragingHandle:
         """Average now, outside the schedule (collective; the counter does not move)."""
         self._check_alive("average")
         self.synchronize()
+        self._run_deferred_checks()
         self._finish(self._launch(overlapped=False))
 
     def synchronize(self) -> None:
@@ -278,8 +283,9 @@ class AveragingHandle:
             sent = sum(b.take_bytes_sent() for b in self._buckets + self._extra_buckets())
             self.stats.bytes_sent += sent
             self.stats.last_round_bytes = sent
+        local_distance = None
         if self._options.track_consensus:
-            self._measure_consensus(results, pending.overlapped)
+            local_distance = self._local_squared_distance(results, pending.overlapped)
         # Every bucket's result is valid: only now does anything reach the parameters.
         with record_function("ddp_avg_hooks::round::write_back"):
             for bucket, value in zip(self._buckets, results):
@@ -293,9 +299,13 @@ class AveragingHandle:
                 tensors = self._optimizer_state_tensors()
                 if tensors:
                     torch._foreach_zero_(list(tensors))
-        if self._options.verify:
-            self._verify_agreement()
         self.stats.rounds += 1
+        if pending.overlapped:
+            # Ranks apply an overlapped round at different steps, so the collective
+            # checks wait for a step every rank shares: the next round (or average()).
+            self._deferred_checks = (self.stats.rounds, local_distance)
+        else:
+            self._collective_checks(self.stats.rounds, local_distance)
         self.stats.seconds += time.perf_counter() - pending.started
         if self._options.on_round is not None:
             self._options.on_round(self)
@@ -350,19 +360,29 @@ class AveragingHandle:
         return self._state_buckets
 
     # --- telemetry and guards -----------------------------------------------------------
-    def _measure_consensus(self, results: list[torch.Tensor], from_launch: bool) -> None:
-        if not is_member(self.process_group):
-            return
-        local = sum((b.squared_distance(v, from_launch=from_launch).cpu()
-                     for b, v in zip(self._buckets, results)), torch.zeros((), dtype=torch.float64))
-        total = local.reshape(1).to(self._buckets[0].device)
-        dist.all_reduce(total, group=self.process_group)
-        self.stats.consensus_distance = float(total) / dist.get_world_size(self.process_group)
+    def _local_squared_distance(self, results, from_launch: bool) -> torch.Tensor:
+        return sum((b.squared_distance(v, from_launch=from_launch).cpu()
+                    for b, v in zip(self._buckets, results)), torch.zeros((), dtype=torch.float64))
 
-    def _verify_agreement(self) -> None:
-        """Compare the step counter and an exact checksum of every bucket across ranks."""
+    def _run_deferred_checks(self) -> None:
+        if self._deferred_checks is not None:
+            round_number, local_distance = self._deferred_checks
+            self._deferred_checks = None
+            self._collective_checks(round_number, local_distance)
+
+    def _collective_checks(self, round_number: int, local_distance) -> None:
+        """The checks that talk to the other ranks: consensus distance, verify."""
         if not is_member(self.process_group):
             return
+        if local_distance is not None:
+            total = local_distance.reshape(1).to(self._buckets[0].device)
+            dist.all_reduce(total, group=self.process_group)
+            self.stats.consensus_distance = float(total) / dist.get_world_size(self.process_group)
+        if self._options.verify:
+            self._verify_agreement(round_number)
+
+    def _verify_agreement(self, round_number: int) -> None:
+        """Compare the step counter and an exact checksum of every bucket across ranks."""
         sums = [_checksum(bucket.anchor() if self._options.overlap and bucket.has_anchor()
                           else bucket.load_parameters()).cpu() for bucket in self._buckets]
         local = torch.stack([torch.tensor(self._step_count, dtype=torch.int64), *sums])
@@ -373,14 +393,14 @@ class AveragingHandle:
         for rank, other in enumerate(gathered):
             if other[0] != gathered[0][0]:
                 raise AveragingHookError(
-                    f"verify=True: step counters differ after round {self.stats.rounds + 1} of "
+                    f"verify=True: step counters differ after round {round_number} of "
                     f"{self._hook_name!r}: group rank 0 is at step {int(gathered[0][0])}, "
                     f"group rank {rank} at {int(other[0])} (was a step skipped on one rank?)"
                 )
             diff = (other[1:] != gathered[0][1:]).nonzero()
             if len(diff):
                 raise AveragingHookError(
-                    f"verify=True: after round {self.stats.rounds + 1} of {self._hook_name!r}, "
+                    f"verify=True: after round {round_number} of {self._hook_name!r}, "
                     f"bucket {int(diff[0])} differs between group ranks 0 and {rank}"
                 )
 

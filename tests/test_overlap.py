@@ -1,0 +1,93 @@
+"""overlap=True: rounds launched asynchronously, applied later keeping local progress."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from _dist import run_ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+
+
+def _set(model, fn):
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(fn(i, p))
+
+
+def _base(i, p):
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(-8, 8, p.shape, generator=g).float()
+
+
+def _rank_overlap_formula(rank, world_size):
+    ws = world_size
+    blocking_model, overlap_model = _model(), _model()
+    blocking = dah.register_averaging_hook(DDP(blocking_model), dah.hooks.allreduce_hook, None,
+                                           period=2)
+    overlapped = dah.register_averaging_hook(DDP(overlap_model), dah.hooks.allreduce_hook, None,
+                                             period=2, overlap=True)
+    start = lambda i, p: (_base(i, p) + rank) * ws  # exact means in float32
+    _set(blocking_model, start)
+    _set(overlap_model, start)
+    assert blocking.step() and overlapped.step()
+    in_flight_before_sync = overlapped._in_flight is not None
+    overlapped.synchronize()  # no progress between launch and apply
+    same_as_blocking = all(torch.equal(a, b) for a, b in
+                           zip(blocking_model.parameters(), overlap_model.parameters()))
+    # second round: launched, then local progress, then applied
+    overlapped.step()  # s=1: nothing to do
+    _set(overlap_model, start)
+    assert overlapped.step()  # s=2: launched
+    launch = [p.detach().clone() for p in overlap_model.parameters()]
+    _set(overlap_model, lambda i, p: p + (i + 1) * (rank + 1))  # progress while in flight
+    now = [p.detach().clone() for p in overlap_model.parameters()]
+    overlapped.step()  # s=3: applies at the latest at the next round; force it here
+    overlapped.synchronize()
+    state = overlapped.state_dict()  # nothing in flight any more
+    return {"in_flight": in_flight_before_sync, "same": same_as_blocking, "launch": launch,
+            "now": now, "after": [p.detach().clone() for p in overlap_model.parameters()],
+            "anchors": state["anchors"], "rounds": overlapped.stats.rounds}
+
+
+def test_overlap_equals_blocking_without_progress_and_keeps_progress_exactly():
+    ws = 2
+    results = run_ranks(_rank_overlap_formula, ws)
+    for r, res in enumerate(results):
+        assert res["in_flight"] and res["same"] and res["rounds"] == 2
+        for i, (launch, now, after) in enumerate(zip(res["launch"], res["now"], res["after"])):
+            mean = torch.stack([results[q]["launch"][i] for q in range(ws)]).mean(0)
+            assert torch.equal(after, now + (mean - launch)), (r, i)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["anchors"][0], results[1]["anchors"][0]))
+
+
+def _rank_overlap_training(rank, world_size, steps):
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=4,
+                                         optimizer=opt, overlap=True, verify=True)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    w = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, -1.0, 2.0]])
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(16, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), x @ w.T)
+        opt.zero_grad(); loss.backward(); opt.step()
+        losses.append(loss.item())
+    handle.synchronize()
+    return {"losses": losses, "rounds": handle.stats.rounds}
+
+
+def test_overlap_training_converges_and_anchors_agree():
+    steps = 60
+    for res in run_ranks(_rank_overlap_training, 2, steps=steps):
+        assert res["rounds"] == steps // 4
+        first, last = sum(res["losses"][:5]) / 5, sum(res["losses"][-5:]) / 5
+        assert last < 0.2 * first, (first, last)
