@@ -179,7 +179,8 @@ def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "") 
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     if title:
-        fig.suptitle(title, fontsize=9)
+        import textwrap
+        fig.suptitle(textwrap.fill(title, 80 * n), fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
