@@ -5,19 +5,22 @@ Spawns ``--world-size`` gloo ranks on 127.0.0.1 (1 thread each). Every rank buil
 it in DDP and, for each hook in turn: registers it (period 1), checks one round for
 correctness, then times rounds. Timing follows STYLE.md: a fixed number of runs on
 every rank after ``dist.barrier()`` (``max(n // 100, 2)`` warm-up runs, then ``n``),
-and the all_reduce(MAX) of the per-rank times. Each timed run first adds a fixed
+and the all_reduce(MAX) of the per-rank times; that is repeated ``--repeat`` times and the
+median reported. Each timed run first adds a fixed
 rank-dependent perturbation to the parameters (so every round has a real delta to
 compress); the time of that perturbation alone is measured the same way and
 subtracted. "pays off" is where the bytes saved outweigh the extra time measured here,
 ``(allreduce bytes - hook bytes) / (hook time - allreduce time)``, as a link speed.
 
-    python benchmarks/bench_hooks.py [--world-size 2] [-n 5] [--layers 8] [--width 512]
+    python benchmarks/bench_hooks.py [--world-size 2] [-n 5] [--repeat 3] [--layers 8] [--width 512]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -77,7 +80,7 @@ def _rank_main(rank: int, world_size: int, port: int, args, out_path: str) -> No
             with torch.no_grad():
                 torch._foreach_add_(params, noise)
 
-        t_perturb = _timeit(perturb, args.n)
+        t_perturb = statistics.median(_timeit(perturb, args.n) for _ in range(args.repeat))
         rows, exact = [], None
         for name, (hook, make_state) in HOOKS.items():
             reset()
@@ -99,7 +102,7 @@ def _rank_main(rank: int, world_size: int, port: int, args, out_path: str) -> No
                 perturb()
                 handle.average()
 
-            t = _timeit(one_round, args.n) - t_perturb
+            t = statistics.median(_timeit(one_round, args.n) for _ in range(args.repeat)) - t_perturb
             rounds = handle.stats.rounds - rounds_before
             per_round = (handle.stats.bytes_sent - bytes_before) // rounds
             rows.append((name, per_round, t, rel_err, len(handle.buckets)))
@@ -107,6 +110,11 @@ def _rank_main(rank: int, world_size: int, port: int, args, out_path: str) -> No
         if rank == 0:
             torch.save({"rows": rows, "numel": numel, "tensors": len(params),
                         "t_perturb": t_perturb}, out_path)
+        # Drop everything that holds the process group (DDP, hook closures) while the
+        # interpreter is fully alive: a gloo group torn down at interpreter exit can abort.
+        del ddp, model, handle, one_round
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -115,6 +123,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("-n", type=int, default=5, help="timed rounds per hook (after warm-up)")
+    ap.add_argument("--repeat", type=int, default=3, help="timings per hook; the median is reported")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
@@ -131,7 +140,9 @@ def main() -> None:
     print(f"torch {torch.__version__} | cpu gloo 127.0.0.1 | world_size {args.world_size} | "
           f"threads/rank {args.threads} | ops backend {dah.ops.backend()} | "
           f"{res['numel'] / 1e6:.1f}M float32 params in {res['tensors']} tensors, "
-          f"{rows[0][4]} buckets | n={args.n} | perturbation {res['t_perturb'] * 1e3:.1f} ms subtracted")
+          f"{rows[0][4]} buckets | n={args.n}, median of {args.repeat} | perturbation "
+          f"{res['t_perturb'] * 1e3:.1f} ms subtracted | load avg {os.getloadavg()[0]:.1f} "
+          f"on {os.cpu_count()} CPUs")
     for name, nbytes, t, rel_err, _ in rows:
         # Loopback moves bytes almost for free, so extra time here is mostly compute. On a
         # link of B bytes/s the hook wins when (ref_bytes - nbytes) / B > t - ref_t.
