@@ -243,8 +243,13 @@ void delta_loop(CPtr<A> a, CPtr<P> p, Ptr<O> o, int64_t n, float s) {
 template <class P, class A>
 void apply_loop(CPtr<A> a, Ptr<P> p, Ptr<P> anchor, int64_t n) {
   if constexpr (std::is_same_v<P, A>) {
-    std::memcpy(p, a, static_cast<size_t>(n) * sizeof(typename P::T));
-    std::memcpy(anchor, a, static_cast<size_t>(n) * sizeof(typename P::T));
+    // in cache-sized blocks, so `a` is read from memory once for both copies
+    constexpr int64_t kBlock = 4096;
+    for (int64_t j = 0; j < n; j += kBlock) {
+      const size_t bytes = static_cast<size_t>(std::min(kBlock, n - j)) * sizeof(typename P::T);
+      std::memcpy(p + j, a + j, bytes);
+      std::memcpy(anchor + j, a + j, bytes);
+    }
   } else {
     int64_t j = 0;
 #ifdef DAH_X86_AVX2
