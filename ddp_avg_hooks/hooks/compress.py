@@ -179,7 +179,7 @@ def _group_and_memory(state, bucket: ParamBucket, name: str):
 
 
 def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out <- a - half`` (``half`` in fp16/bf16), evaluated exactly as in float32.
+    """``out <- a - half`` (``half`` in fp16/bf16): the result of ``torch.sub(a, half, out=out)``.
 
     For float32/float64 ``out`` the half values are first widened into ``out`` (exact,
     and a vectorized cast): a mixed-dtype ``torch.sub`` takes a slow path on CPU (about
@@ -238,7 +238,8 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     values are computed in the bucket's dtype. Sends 2 bytes per parameter.
 
     Args:
-        state: ``None`` (default group, error feedback on), a ``ProcessGroup``, or a
+        state: ``None`` (default group) or a ``ProcessGroup``: error feedback on, its
+            residual kept with the bucket and not in ``handle.state_dict()``; or a
             :class:`HalfDeltaState` for options and checkpointable residuals.
         bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
 
