@@ -30,18 +30,16 @@ Properties (tested in ``tests/test_powersgd.py``):
 * ``Q`` is drawn from ``torch.Generator`` seeded with ``(seed, bucket.index())``, on the
   CPU, identically on every rank; the global RNG is never touched.
 
-Collective ordering: callbacks run on the communication threads, so a collective
-launched from a callback could otherwise race with the next bucket's collective
-launched by the caller, and ranks would pair up different collectives. The state
-therefore launches each bucket's collectives strictly after the previous bucket's
-``Q`` allreduce was launched (``P_0, Q_0, P_1, Q_1, ...`` on every rank). Nothing
-blocks: each step is a future callback.
+Collective ordering: both allreduces are issued by the caller's thread, in the hook
+itself; the hook waits for the ``P`` allreduce (small) before issuing ``Q``, and only
+the decompression runs in a ``.then`` callback. A collective issued from a callback
+thread could overtake another collective issued meanwhile on the same group, in a
+different order on each rank (see the comment in :func:`powersgd_hook`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from numbers import Real
 
 import torch
@@ -165,7 +163,6 @@ class PowerSGDState:
         "round",
         "_memory",
         "_pending",
-        "_last_launch",
     )
 
     def __init__(
@@ -224,7 +221,6 @@ class PowerSGDState:
         self.round = 0
         self._memory: dict[int, _BucketMemory] = {}
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
-        self._last_launch: torch.futures.Future = completed(None)
 
     # --- randomness ---------------------------------------------------------------------
     def _draw_q(self, numel: int, bucket_index: int, round_: int | None, dtype, device) -> torch.Tensor:
@@ -315,52 +311,6 @@ def _orthonormalize_rows_(pt: torch.Tensor, epsilon: float) -> None:
         pt.copy_(torch.linalg.qr(pt.t()).Q.t())
 
 
-def _new_future(device: torch.device) -> torch.futures.Future:
-    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
-
-
-def _sequenced(state: PowerSGDState, result: torch.futures.Future, launch: Callable) -> torch.futures.Future:
-    """Run ``launch(done)`` once the previous bucket's last collective is launched.
-
-    ``launch`` must call ``done()`` right after launching its last collective. Any
-    exception fails ``result`` (and releases the next bucket).
-    """
-    done: torch.futures.Future = torch.futures.Future()
-    prev, state._last_launch = state._last_launch, done
-
-    def release() -> None:
-        if not done.done():
-            done.set_result(None)
-
-    def start(_fut) -> None:
-        try:
-            launch(release)
-        except Exception as exc:  # noqa: BLE001 - routed to the hook's future
-            release()
-            if not result.done():
-                result.set_exception(exc)
-
-    prev.add_done_callback(start)
-    return result
-
-
-def _guarded(result: torch.futures.Future, fn: Callable[[torch.futures.Future], None],
-             on_error: Callable[[], None] | None = None):
-    """A done-callback that routes exceptions (including the collective's) to ``result``."""
-
-    def callback(fut: torch.futures.Future) -> None:
-        try:
-            fut.value()  # raises if the collective failed
-            fn(fut)
-        except Exception as exc:  # noqa: BLE001 - routed to the hook's future
-            if on_error is not None:
-                on_error()
-            if not result.done():
-                result.set_exception(exc)
-
-    return callback
-
-
 @needs_anchor
 def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change with PowerSGD (low rank, error feedback, warm start).
@@ -404,21 +354,14 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
     if mem.residual is not None:
         c.add_(mem.residual)
     anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
-    result = _new_future(bucket.device)
 
     if round_ < state.start_powersgd_round or not layout.matrices:
         # Exact round: one allreduce of the (error-corrected) delta.
         if mem.residual is not None:
             mem.residual.zero_()
         bucket.record_sent(c)
-
-        def launch_exact(release: Callable[[], None]) -> None:
-            fut = dist.all_reduce(c, group=group, async_op=True).get_future()
-            release()
-            fut.add_done_callback(_guarded(result, lambda f: result.set_result(
-                torch.sub(anchor, f.value()[0], out=out))))
-
-        return _sequenced(state, result, launch_exact)
+        fut = dist.all_reduce(c, group=group, async_op=True).get_future()
+        return fut.then(lambda f: torch.sub(anchor, f.value()[0], out=out))
 
     p_all, q_all = mem.p, mem.q
     if not state.warm_start:
@@ -441,7 +384,21 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         t_off += length
     bucket.record_sent(p_all, q_all)
 
-    def finish(_fut) -> None:
+    # Both collectives are launched here, by the caller's thread, never from a future
+    # callback: gloo and NCCL pair collectives by the order each rank issues them, and a
+    # collective issued from a callback thread could overtake one the caller issues
+    # meanwhile on the same group (the next bucket, the registry's buffer averaging, a
+    # training step of an overlapped round), differently on each rank. So the hook
+    # waits for P (small: r (n + m) numbers per matrix) before issuing Q. With NCCL,
+    # ``wait()`` only orders the current stream after the allreduce; the host goes on.
+    dist.all_reduce(p_all, group=group, async_op=True).wait()
+    for _, _, _, ci, pt, qt, _ in views:
+        _orthonormalize_rows_(pt, state.orthogonalization_epsilon)
+        torch.mm(pt, ci, out=qt)  # Q^T = P^T C
+    if mem.q_local is not None:
+        mem.q_local.copy_(q_all)
+
+    def finish(_fut: torch.futures.Future) -> torch.Tensor:
         for off, n, m, ci, pt, qt, q_off in views:
             oi, ai = out[off : off + n * m].view(n, m), anchor[off : off + n * m].view(n, m)
             if oi.dtype == pt.dtype:
@@ -455,23 +412,9 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         for off, length in layout.exact_runs:
             torch.sub(anchor[off : off + length], tail[t : t + length], out=out[off : off + length])
             t += length
-        result.set_result(out)
+        return out
 
-    def launch(release: Callable[[], None]) -> None:
-        def after_p(_fut) -> None:
-            for _, _, _, ci, pt, qt, _ in views:
-                _orthonormalize_rows_(pt, state.orthogonalization_epsilon)
-                torch.mm(pt, ci, out=qt)  # Q^T = P^T C
-            if mem.q_local is not None:
-                mem.q_local.copy_(q_all)
-            fut_q = dist.all_reduce(q_all, group=group, async_op=True).get_future()
-            release()  # the next bucket may launch now: Q_i precedes P_{i+1} on every rank
-            fut_q.add_done_callback(_guarded(result, finish))
-
-        fut_p = dist.all_reduce(p_all, group=group, async_op=True).get_future()
-        fut_p.add_done_callback(_guarded(result, after_p, on_error=release))
-
-    return _sequenced(state, result, launch)
+    return dist.all_reduce(q_all, group=group, async_op=True).get_future().then(finish)
 
 
 def _validate_state(state) -> None:
