@@ -318,7 +318,10 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
     See the module docstring for the algorithm and its guarantees. 1-D, 0-dim and
     matrices below ``min_compression_rate`` are averaged exactly; each bucket costs
     at most two allreduces per round, ``4 * (sum r (n + m) + exact numel)`` bytes in
-    float32 (float64 buckets: 8 bytes per number).
+    float32 (float64 buckets: 8 bytes per number). The hook returns after the first
+    (``P``) allreduce has completed (on gloo the host waits for it; with NCCL only the
+    stream does), so both collectives are issued by the caller's thread; the returned
+    future covers the ``Q`` allreduce and the decompression.
 
     Args:
         state: a :class:`PowerSGDState` (one per registration).
