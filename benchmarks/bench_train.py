@@ -26,9 +26,11 @@ section "End-to-end training (issue 5)" of ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -38,6 +40,7 @@ from ddp_avg_hooks.examples import launch, netns, report
 from ddp_avg_hooks.examples.train import HookUnavailable, check_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
 VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
             "allreduce", "fp16", "bf16", "powersgd"]
 BUDGET_1X = {"none", "ddp"}
@@ -61,7 +64,9 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=RESULTS,
+                   help="JSON and plot; a sub-folder of results/ adds a part to the RESULTS.md section")
+    p.add_argument("--title", default="Main run: ~1M-parameter model, three profiles")
     p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "bench_train"),
                    help="per-run metrics.json and launch.log (not committed)")
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
@@ -81,7 +86,7 @@ def main(argv=None) -> int:
         t_start -= old["elapsed_s"]
         a.loadavg_end = old["loadavg_end"]
         _write_outputs(a, all_runs, network_of, old["notes"], t_start, old["loadavg_start"],
-                       old["command"].split()[2:])
+                       shlex.split(old["command"])[2:])
         return 0
 
     variants, notes = [], []
@@ -170,7 +175,7 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
     png = report.plot({f"{p}: {network_of[p]}" if p != "loopback" else p: r
                        for p, r in all_runs.items()}, os.path.join(a.out, "train.png"),
                       title=header.split(" | ops")[0])
-    cmd = "python benchmarks/bench_train.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python benchmarks/bench_train.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     elapsed = time.time() - t_start
     summary = dict(header=header, command=cmd.strip(), notes=notes, elapsed_s=elapsed,
                    loadavg_start=load_start, loadavg_end=getattr(a, "loadavg_end", None) or os.getloadavg(),
@@ -178,7 +183,7 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
     with open(os.path.join(a.out, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
-    md = [f"Command: `{summary['command']}` ({elapsed / 60:.1f} min; load average "
+    md = [f"### {a.title}", "", f"Command: `{summary['command']}` ({elapsed / 60:.1f} min; load average "
           f"{load_start[0]:.1f} at start, {summary['loadavg_end'][0]:.1f} at end: the 2 cores are "
           "shared, so absolute times vary between runs; compare within a table).", "",
           f"`{header}`", ""]
@@ -191,10 +196,21 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
            "waiting on communication; local step / none = median step that sent nothing over "
            "the median step of `none`. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():
-        md += [f"### {prof}: {network_of[prof]}", "", report.markdown_table(rows, report.BENCH_COLUMNS), ""]
+        md += [f"#### {prof}: {network_of[prof]}", "", report.markdown_table(rows, report.BENCH_COLUMNS), ""]
         md += _targets(rows, prof)
-    md += _two_node_record(os.path.join(a.out, "two_node.json"))
-    report.write_section(a.results_md, "\n".join(md))
+    with open(os.path.join(a.out, "train_section.md"), "w") as f:
+        f.write("\n".join(md))
+    # the section: this run's part plus the parts other invocations left under results/
+    parts = sorted(glob.glob(os.path.join(RESULTS, "**", "train_section.md"), recursive=True),
+                   key=lambda q: (os.path.dirname(q) != RESULTS, q))
+    if os.path.join(os.path.abspath(a.out), "train_section.md") not in map(os.path.abspath, parts):
+        parts.append(os.path.join(a.out, "train_section.md"))
+    body = []
+    for q in parts:
+        with open(q) as f:
+            body += [f.read().strip(), ""]
+    body += _two_node_record(os.path.join(RESULTS, "two_node.json"))
+    report.write_section(a.results_md, "\n".join(body))
     print("\n".join(md))
     print(f"plot: {png}; results: {a.out}; table: {a.results_md}", file=sys.stderr)
 
