@@ -15,10 +15,9 @@ Where the error-feedback residual ``e_r`` lives:
 * ``state`` is a :class:`HalfDeltaState`: in the state, keyed by ``bucket.index()``,
   and saved by ``state_dict()`` (so ``handle.state_dict()`` checkpoints it).
 * ``state`` is ``None`` or a ``ProcessGroup`` (as for DDP's ``fp16_compress_hook``):
-  error feedback is still on, and the residual lives with the bucket itself (a weak
-  per-bucket table here), so it exists exactly as long as the registration and is
-  freed by ``handle.remove()``. It is not part of ``handle.state_dict()``: to resume
-  a checkpoint bit for bit, pass a :class:`HalfDeltaState`.
+  error feedback is still on, and the residual lives with the bucket itself, in
+  ``bucket.memory()``: it exists exactly as long as the registration, and
+  ``handle.state_dict()`` saves it like the anchors.
 
 Error bounds, per element (``u`` = unit roundoff: 2**-11 for fp16, 2**-8 for bf16;
 ``s`` = 2**-25, half of fp16's smallest subnormal, 0 for bf16; ``d`` = a rank's
@@ -70,8 +69,10 @@ class _Residual:
         return self._send
 
 
-# Residuals of hooks registered with state None / a ProcessGroup: one per live bucket.
-_BUCKET_RESIDUALS: weakref.WeakKeyDictionary[ParamBucket, _Residual] = weakref.WeakKeyDictionary()
+# With state None / a ProcessGroup the residual lives in bucket.memory()[_MEMORY_KEY],
+# which handle.state_dict() saves; this weak table only caches each bucket's send buffer.
+_MEMORY_KEY = "half_residual"
+_SEND_BUFFERS: weakref.WeakKeyDictionary[ParamBucket, _Residual] = weakref.WeakKeyDictionary()
 
 
 class HalfDeltaState:
@@ -171,11 +172,28 @@ def _group_and_memory(state, bucket: ParamBucket, name: str):
     if isinstance(state, HalfDeltaState):
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         return group, (state._memory(bucket) if state.error_feedback else None)
-    group = resolve_group(state, name)
-    mem = _BUCKET_RESIDUALS.get(bucket)
-    if mem is None:
-        mem = _BUCKET_RESIDUALS[bucket] = _Residual.zeros(bucket)
-    return group, mem
+    return resolve_group(state, name), _bucket_residual(bucket)
+
+
+def _bucket_residual(bucket: ParamBucket) -> _Residual:
+    """The residual kept in ``bucket.memory()`` (so the handle checkpoints it)."""
+    stored = bucket.memory().get(_MEMORY_KEY)
+    if stored is None:
+        stored = bucket.memory()[_MEMORY_KEY] = _Residual.zeros(bucket).residual
+    mem = _SEND_BUFFERS.get(bucket)
+    if mem is None or mem.residual is not stored:  # first round, or a checkpoint was loaded
+        mem = _SEND_BUFFERS[bucket] = _Residual(stored)
+    return mem
+
+
+def _prepare_bucket(state, bucket: ParamBucket) -> None:
+    """Create the error-feedback memory at registration, so a fresh handle's
+    ``state_dict()`` already has the structure a checkpoint loads into."""
+    if isinstance(state, HalfDeltaState):
+        if state.error_feedback:
+            state._memory(bucket)
+    else:
+        _bucket_residual(bucket)
 
 
 def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -239,8 +257,8 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
 
     Args:
         state: ``None`` (default group) or a ``ProcessGroup``: error feedback on, its
-            residual kept with the bucket and not in ``handle.state_dict()``; or a
-            :class:`HalfDeltaState` for options and checkpointable residuals.
+            residual kept in ``bucket.memory()`` (saved by ``handle.state_dict()``);
+            or a :class:`HalfDeltaState` for options (error feedback off, say).
         bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
 
     Returns:
@@ -289,3 +307,5 @@ def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
 
 fp16_compress_hook.validate_state = _validate("fp16_compress_hook")
 bf16_compress_hook.validate_state = _validate("bf16_compress_hook")
+fp16_compress_hook.prepare_bucket = _prepare_bucket
+bf16_compress_hook.prepare_bucket = _prepare_bucket

@@ -430,3 +430,12 @@ def _validate_state(state) -> None:
 
 
 powersgd_hook.validate_state = _validate_state
+
+
+def _prepare_bucket(state: PowerSGDState, bucket: ParamBucket) -> None:
+    """Create the bucket's memory at registration (a fresh handle's ``state_dict()``
+    then has the structure a checkpoint loads into, as torch.distributed.checkpoint needs)."""
+    state._bucket_memory(bucket)
+
+
+powersgd_hook.prepare_bucket = _prepare_bucket
