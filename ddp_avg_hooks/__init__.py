@@ -6,7 +6,7 @@ Example:
     (True, True)
 """
 
-from . import grad_hooks, hierarchy, hooks, ops
+from . import grad_hooks, hierarchy, hooks, ops, schedules
 from .bucket import ParamBucket, needs_anchor
 from .optim import AveragingOptimizer
 from .registry import (
@@ -28,5 +28,6 @@ __all__ = [
     "needs_anchor",
     "ops",
     "register_averaging_hook",
+    "schedules",
 ]
 __version__ = "0.1.0"
