@@ -43,6 +43,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
             "allreduce", "fp16", "bf16", "powersgd"]
+# issue 7's variants (opt in with --variants): overlapped rounds, and DiLoCo at period 32
+ISSUE7_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco"]
+PERIOD_OF = {"diloco": 32}
 BUDGET_1X = {"none", "ddp"}
 
 
@@ -120,6 +123,8 @@ def main(argv=None) -> int:
         for v in variants:
             steps = a.steps if v in BUDGET_1X else 2 * a.steps
             args = [*common, "--hook", v, "--steps", str(steps)]
+            if v in PERIOD_OF:
+                args += ["--period", str(PERIOD_OF[v])]
             if v not in BUDGET_1X and "ddp" in runs:  # up to 2x budget: stop once past DDP's loss
                 args += ["--stop-at-loss", str(runs["ddp"]["evals"][-1]["val_loss"]),
                          "--min-steps", str(a.steps)]

@@ -20,7 +20,11 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
 - ``torch_localsgd``: PyTorch's ``post_localSGD_hook`` + ``PeriodicModelAverager``;
 - ``allreduce``, ``fp16``, ``bf16``, ``powersgd``: ours,
   ``ddp_avg_hooks.register_averaging_hook`` with that hook plus
-  ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``).
+  ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``);
+- ``allreduce_overlap``, ``fp16_overlap``: the same with ``overlap=True`` (a round's
+  bytes travel while training goes on);
+- ``diloco``: ``hooks.outer_optimizer(allreduce_hook)``, an outer Nesterov SGD over the
+  averaged change (DiLoCo's defaults; use a longer ``--period``, e.g. 32).
 
 Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
 step seconds, bytes this rank handed to collectives, seconds waiting on communication,
@@ -248,6 +252,10 @@ OURS = {
     "fp16": ("fp16_compress_hook", lambda dah, args: None),
     "bf16": ("bf16_compress_hook", lambda dah, args: None),
     "powersgd": ("powersgd_hook", _powersgd_state),
+    # issue 7: rounds overlapped with training, and a DiLoCo-style outer optimizer
+    "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
+    "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
+    "diloco": ("outer_optimizer", lambda dah, args: dah.hooks.OuterOptimizerState(None)),
 }
 TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
                     "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
@@ -297,9 +305,12 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
         return Variant(name, ddp, model, after_step)
     attr, make_state = OURS[name]
     dah, hook = _need_dah(attr, name)
+    if name == "diloco":  # outer Nesterov SGD (lr 0.7, momentum 0.9) over exact averaging
+        hook = hook(dah.hooks.allreduce_hook)
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
                                          warmup_steps=args.warmup,
-                                         bucket_cap_mb=args.bucket_cap_mb)
+                                         bucket_cap_mb=args.bucket_cap_mb,
+                                         overlap=name.endswith("_overlap"))
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
     return Variant(name, ddp, model, handle.step, handle)
 
