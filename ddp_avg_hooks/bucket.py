@@ -94,7 +94,7 @@ class ParamBucket:
 
     def scaled_buffer(self, scale: float) -> torch.Tensor:
         """:meth:`buffer` filled with ``parameters * scale``: the scaling fused into the copy."""
-        ops.flatten(self._params, self._buffer, scale)
+        ops.flatten(self._params, self._buffer, None if scale == 1.0 else scale)
         self._loaded = True
         return self._buffer
 
