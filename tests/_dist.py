@@ -4,15 +4,17 @@
 an OS-chosen port, runs ``fn(rank, world_size, **kw)`` in each after
 ``init_process_group`` (with a process-group timeout), and returns the per-rank
 results (loaded through files: tensors on an mp queue die with their process).
-With ``hard_exit=True`` (fault tests) a rank leaves with ``os._exit(0)`` right after
-saving its result. A failing rank re-raises in the parent; ranks still running at the deadline are
+A rank leaves with ``os._exit(0)`` right after saving its result and destroying its
+process group (with ``hard_exit=True``, for fault tests, without destroying it). A failing rank re-raises in the parent; ranks still running at the deadline are
 killed and ``TimeoutError`` is raised.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -63,9 +65,19 @@ def _entry(rank, fn, world_size, port, out, pg_timeout, env, hard_exit, kw):
     try:
         result = fn(rank, world_size, **kw)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-        if hard_exit:
-            # After a peer crashed, gloo may abort while tearing down the broken group;
-            # the result is saved, so leave without the teardown.
-            os._exit(0)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # spawn records the traceback for the parent
+    del result
+    if not hard_exit:
+        # After a peer crashed, gloo may abort while tearing down the broken group:
+        # fault tests skip the teardown. Otherwise drop what the rank built (DDP
+        # reducers hold the group) before destroying the group.
+        gc.collect()
+        dist.destroy_process_group()
+    # The result is saved: leave without interpreter teardown, where c10d/gloo
+    # destructors have been seen to abort ("terminate called without an active
+    # exception") in torch 2.13 after a clean run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
