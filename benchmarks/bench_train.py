@@ -43,8 +43,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
             "allreduce", "fp16", "bf16", "powersgd"]
-# issue 7's variants (opt in with --variants): overlapped rounds, and DiLoCo at period 32
+# issue 7's variants: overlapped rounds, and DiLoCo at period 32
 ISSUE7_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco"]
+VARIANTS += ISSUE7_VARIANTS
 PERIOD_OF = {"diloco": 32}
 BUDGET_1X = {"none", "ddp"}
 
