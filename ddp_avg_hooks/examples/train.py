@@ -255,7 +255,8 @@ OURS = {
     # issue 7: rounds overlapped with training, and a DiLoCo-style outer optimizer
     "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
-    "diloco": ("outer_optimizer", lambda dah, args: dah.hooks.OuterOptimizerState(None)),
+    "diloco": ("outer_optimizer", lambda dah, args: dah.hooks.OuterOptimizerState(
+        None, lr=args.outer_lr, momentum=args.outer_momentum)),
 }
 TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
                     "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
@@ -333,6 +334,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer SGD learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--eval-every", type=int, default=32,
                    help="validate the ranks' average model every N steps (0: only at the end)")
