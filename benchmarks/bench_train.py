@@ -37,7 +37,7 @@ import time
 import torch
 
 from ddp_avg_hooks.examples import launch, netns, report
-from ddp_avg_hooks.examples.train import HookUnavailable, check_available
+from ddp_avg_hooks.examples.train import split_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -93,13 +93,8 @@ def main(argv=None) -> int:
                        shlex.split(old["command"])[2:])
         return 0
 
-    variants, notes = [], []
-    for v in a.variants.split(","):
-        try:
-            check_available(v)
-            variants.append(v)
-        except HookUnavailable as exc:
-            notes.append(f"variant {v} not run: {exc}")
+    variants, unavailable = split_available(a.variants)
+    notes = [f"variant {u} (not run)" for u in unavailable]
     ok, why = netns.netns_available()
     profiles = []
     for name in a.profiles.split(","):

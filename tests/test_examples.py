@@ -85,3 +85,9 @@ def test_corpus_is_deterministic_and_split():
 def test_parse_args_preset_and_overrides():
     a = train.parse_args(["--preset", "tiny", "--d-model", "48"])
     assert a.d_model == 48 and a.n_layers == train.PRESETS["tiny"]["n_layers"]
+
+
+def test_split_available_keeps_runnable_variants_and_says_why_not():
+    ok, not_run = train.split_available("ddp,nope,diloco")
+    assert ok == ["ddp", "diloco"]
+    assert len(not_run) == 1 and not_run[0].startswith("nope: ") and "unknown" in not_run[0]

@@ -21,7 +21,7 @@ import sys
 import time
 
 from . import launch, netns, report
-from .train import HookUnavailable, check_available
+from .train import split_available
 
 VARIANTS = ["ddp", "allreduce", "fp16", "powersgd"]
 
@@ -39,13 +39,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     t_start = time.perf_counter()
 
-    variants, skipped = [], []
-    for v in a.variants.split(","):
-        try:
-            check_available(v)
-            variants.append(v)
-        except HookUnavailable as exc:
-            skipped.append(f"{v}: {exc}")
+    variants, skipped = split_available(a.variants)
     for s in skipped:
         print(f"skipping {s}", file=sys.stderr)
 

@@ -271,6 +271,18 @@ def check_available(name: str) -> None:
         _need_dah(OURS[name][0], name)
 
 
+def split_available(names: str) -> tuple[list[str], list[str]]:
+    """``"a,b,c"`` -> (the variants that can run, ``"name: why not"`` for the others)."""
+    available, unavailable = [], []
+    for name in names.split(","):
+        try:
+            check_available(name)
+            available.append(name)
+        except HookUnavailable as exc:
+            unavailable.append(f"{name}: {exc}")
+    return available, unavailable
+
+
 def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
