@@ -65,6 +65,18 @@ def test_local_sgd_trains_and_bytes_agree_with_handle_stats(tmp_path):
     assert r["summary"]["median_local_step_s"] is not None
 
 
+@pytest.mark.parametrize("hook,bytes_per_param", [("diloco", 4), ("diloco_fp16", 2)])
+def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, bytes_per_param):
+    r = _run(hook, tmp_path, ["--lr", "1e-3"])
+    first, last = _first_last(r["steps"])
+    assert last < first - 0.3, (first, last)
+    stats = r["summary"]["handle_stats"]
+    assert stats["rounds"] == 40 // 4  # TINY: --period 4, no warm-up
+    # the outer step is local: a round sends only the inner hook's buffer
+    assert stats["bytes_sent"] == stats["rounds"] * bytes_per_param * r["config"]["n_params"]
+    assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(0, 40, 4))
+
+
 def test_unknown_or_missing_hook_is_a_clear_error(monkeypatch):
     with pytest.raises(train.HookUnavailable, match="unknown"):
         train.check_available("nope")

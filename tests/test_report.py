@@ -36,6 +36,10 @@ def test_summarize_definitions(runs):
     assert rows["slow"]["time_to_target_s"] is None                   # not reached in 2x budget
     assert rows["ours"]["ttt_speedup_vs_ddp"] == pytest.approx(2.0 / 0.9)
     assert rows["ours"]["ttt_speedup_vs_torch"] == pytest.approx(2.0 / 0.9)
+    assert rows["ddp"]["mb_to_target"] == 40e-6 and rows["ours"]["mb_to_target"] == 12e-6
+    assert rows["ours"]["bytes_saving_vs_ddp"] == pytest.approx(40 / 12)  # bytes at that eval
+    assert rows["slow"]["mb_to_target"] is None and rows["slow"]["bytes_saving_vs_ddp"] is None
+    assert rows["none"]["mb_to_target"] is None
     assert rows["ours"]["val_at_budget"] == 2.04                      # loss at equal samples
     assert rows["ours"]["gap_pct"] == pytest.approx(2.0)
     assert rows["ours"]["local_overhead"] == pytest.approx(1.1)

@@ -5,6 +5,8 @@ Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
 - *target loss*: the baseline's (DDP's) validation loss at the end of its step budget;
 - *time to target*: training wall-clock (rank 0, validation excluded) at the first
   validation point whose loss is <= the target; ``None`` ("not reached") otherwise;
+- *MB to target*: bytes rank 0 handed to collectives up to that same validation point;
+  *x fewer bytes than DDP*: the baseline's MB to target over the run's;
 - *loss at equal samples*: validation loss at the baseline's last step, and its gap to
   the baseline in percent;
 - *MB/step*: bytes rank 0 handed to collectives, averaged over all steps;
@@ -19,6 +21,8 @@ Example::
     ...                  {"step": 4, "train_s": 2.0, "bytes": 0, "val_loss": 2.0}]}
     >>> time_to_target(run, 2.5), time_to_target(run, 1.0), loss_at_step(run, 2)
     (2.0, None, 3.0)
+    >>> bytes_to_target(run, 2.5), bytes_to_target(run, 1.0)
+    (0, None)
 """
 from __future__ import annotations
 
@@ -32,11 +36,18 @@ def _steps(run: dict) -> int:
     return run["config"].get("steps_done", run["config"]["steps"])
 
 
+def _first_at_target(run: dict, target: float) -> dict | None:
+    return next((e for e in run["evals"] if e["val_loss"] <= target), None)
+
+
 def time_to_target(run: dict, target: float) -> float | None:
-    for e in run["evals"]:
-        if e["val_loss"] <= target:
-            return e["train_s"]
-    return None
+    hit = _first_at_target(run, target)
+    return None if hit is None else hit["train_s"]
+
+
+def bytes_to_target(run: dict, target: float) -> int | None:
+    hit = _first_at_target(run, target)
+    return None if hit is None else hit["bytes"]
 
 
 def loss_at_step(run: dict, step: int) -> float | None:
@@ -54,6 +65,7 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
     target = base["evals"][-1]["val_loss"] if base else None
     base_ttt = time_to_target(base, target) if base else None
     ref_ttt = time_to_target(runs[reference], target) if reference in runs and base else None
+    base_btt = bytes_to_target(base, target) if base else None
     none_step = runs[none]["summary"]["median_step_s"] if none in runs else None
     base_step = base["summary"]["mean_step_s"] if base else None
     rows = []
@@ -77,6 +89,9 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
             row["time_to_target_s"] = ttt
             row["ttt_speedup_vs_ddp"] = base_ttt / ttt if ttt and base_ttt else None
             row["ttt_speedup_vs_torch"] = ref_ttt / ttt if ttt and ref_ttt else None
+            btt = bytes_to_target(run, target) if name != none else None
+            row["mb_to_target"] = None if btt is None else btt / 1e6
+            row["bytes_saving_vs_ddp"] = base_btt / btt if btt and base_btt else None
         rows.append(row)
     return rows
 
@@ -98,7 +113,9 @@ BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
                  ("val loss @ DDP budget", "val_at_budget", ".3f"), ("gap vs DDP", "gap_pct", "+.1f"),
                  ("time to target s", "time_to_target_s", ".1f"),
                  ("x faster than DDP", "ttt_speedup_vs_ddp", ".2f"),
-                 ("x faster than torch local SGD", "ttt_speedup_vs_torch", ".2f")]
+                 ("x faster than torch local SGD", "ttt_speedup_vs_torch", ".2f"),
+                 ("MB to target", "mb_to_target", ".1f"),
+                 ("x fewer bytes than DDP", "bytes_saving_vs_ddp", ".1f")]
 
 
 def markdown_table(rows: list[dict], columns=DEMO_COLUMNS) -> str:

@@ -23,8 +23,11 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
   ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``);
 - ``allreduce_overlap``, ``fp16_overlap``: the same with ``overlap=True`` (a round's
   bytes travel while training goes on);
-- ``diloco``: ``hooks.outer_optimizer(allreduce_hook)``, an outer Nesterov SGD over the
-  averaged change (DiLoCo's defaults; use a longer ``--period``, e.g. 32).
+- ``diloco``, ``diloco_fp16``: ``hooks.outer_optimizer(allreduce_hook)`` (resp.
+  ``fp16_compress_hook``), an outer Nesterov SGD over the averaged change (DiLoCo's
+  defaults, ``--outer-lr`` / ``--outer-momentum``; use a longer ``--period``, e.g. 32, and
+  a smaller inner ``--lr``: the outer momentum multiplies each round's step by up to
+  ``outer_lr / (1 - momentum)``, 7 with the defaults).
 
 Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
 step seconds, bytes this rank handed to collectives, seconds waiting on communication,
@@ -246,6 +249,10 @@ def _powersgd_state(dah, args):
     return cls(**{k: v for k, v in want.items() if k in params})
 
 
+def _outer_state(dah, args):
+    return dah.hooks.OuterOptimizerState(None, lr=args.outer_lr, momentum=args.outer_momentum)
+
+
 # name -> (dah hook attribute, state factory); validated before the process group starts
 OURS = {
     "allreduce": ("allreduce_hook", lambda dah, args: None),
@@ -255,9 +262,11 @@ OURS = {
     # issue 7: rounds overlapped with training, and a DiLoCo-style outer optimizer
     "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
-    "diloco": ("outer_optimizer", lambda dah, args: dah.hooks.OuterOptimizerState(
-        None, lr=args.outer_lr, momentum=args.outer_momentum)),
+    "diloco": ("outer_optimizer", _outer_state),
+    "diloco_fp16": ("outer_optimizer", _outer_state),
 }
+# the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
+DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook"}
 TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
                     "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
 VARIANTS = ["none", *TORCH_GRAD_HOOKS, "torch_localsgd", *OURS]
@@ -318,8 +327,8 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
         return Variant(name, ddp, model, after_step)
     attr, make_state = OURS[name]
     dah, hook = _need_dah(attr, name)
-    if name == "diloco":  # outer Nesterov SGD (lr 0.7, momentum 0.9) over exact averaging
-        hook = hook(dah.hooks.allreduce_hook)
+    if name in DILOCO_INNER:  # outer Nesterov SGD over an averaging hook
+        hook = hook(getattr(dah.hooks, DILOCO_INNER[name]))
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
