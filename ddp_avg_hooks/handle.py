@@ -101,7 +101,13 @@ class AveragingHandle:
     the latest before the next round, keeping the progress made meanwhile:
     ``params <- params + (averaged - params_at_launch)``. The replicas then agree on
     the anchor, not on the parameters: each keeps the local steps taken while the
-    round was in flight (up to ``period - 1`` stale steps). ``average()``,
+    round was in flight (up to ``period - 1`` stale steps). The staleness costs loss:
+    a correction computed at launch also undoes differences that local training has
+    meanwhile resolved on its own. Keep a round's duration well under the period
+    (a compressed hook, a longer period): on the benchmark model a round arriving
+    a quarter of the period late cost 6% in loss, one arriving a whole period late
+    15%, worse than not communicating (``benchmarks/RESULTS.md``, "Overlap
+    staleness"). ``average()``,
     ``state_dict()`` and ``remove()`` finish a round in flight first. Hooks must read
     the parameters (``buffer()``, ``delta()``) before they return. The cross-rank
     checks of an overlapped round (``verify``, ``track_consensus``) run at the next

@@ -77,6 +77,31 @@ def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, 
     assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(0, 40, 4))
 
 
+def test_delayed_hook_holds_results_back_and_keeps_hook_attributes():
+    import time
+
+    import torch
+
+    def hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(torch.ones(3))
+        return fut
+    hook.needs_anchor = True
+    delayed = train.delayed_hook(hook, 0.2)
+    assert delayed.needs_anchor and delayed.__name__ == "hook"
+    t0 = time.perf_counter()
+    fut = delayed(None, None)
+    assert not fut.done()
+    assert torch.equal(fut.wait(), torch.ones(3)) and time.perf_counter() - t0 >= 0.2
+
+    def failing(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_exception(ValueError("boom"))
+        return fut
+    with pytest.raises(ValueError, match="boom"):
+        train.delayed_hook(failing, 0.01)(None, None).wait()
+
+
 def test_unknown_or_missing_hook_is_a_clear_error(monkeypatch):
     with pytest.raises(train.HookUnavailable, match="unknown"):
         train.check_available("nope")

@@ -55,6 +55,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import gc
 import glob
 import inspect
 import json
@@ -62,6 +64,7 @@ import os
 import statistics
 import sys
 import sysconfig
+import threading
 import time
 from datetime import timedelta
 
@@ -292,6 +295,29 @@ def split_available(names: str) -> tuple[list[str], list[str]]:
     return available, unavailable
 
 
+def delayed_hook(hook, seconds: float):
+    """``hook`` whose future completes ``seconds`` after the call (and not before its own).
+
+    Emulates a link on which a round takes that long, without a network namespace. The
+    hook's attributes (``needs_anchor``, ``prepare_bucket``, ...) are kept.
+    """
+    @functools.wraps(hook)
+    def delayed(state, bucket):
+        inner = hook(state, bucket)
+        out = torch.futures.Future()
+
+        def complete():
+            try:
+                out.set_result(inner.wait())
+            except Exception as exc:  # hand the hook's failure to the registry
+                out.set_exception(exc)
+        timer = threading.Timer(seconds, complete)
+        timer.daemon = True
+        timer.start()
+        return out
+    return delayed
+
+
 def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
@@ -329,6 +355,8 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
     dah, hook = _need_dah(attr, name)
     if name in DILOCO_INNER:  # outer Nesterov SGD over an averaging hook
         hook = hook(getattr(dah.hooks, DILOCO_INNER[name]))
+    if args.round_delay > 0:
+        hook = delayed_hook(hook, args.round_delay)
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
@@ -367,6 +395,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-frac", type=float, default=0.05)
     p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
+    p.add_argument("--round-delay", type=float, default=0.0,
+                   help="our hooks: a round's result arrives this many seconds late (a slow "
+                        "link emulated on loopback, for overlap's staleness)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
     args = p.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
@@ -440,6 +471,9 @@ def main(argv=None) -> dict | None:
         return result
     finally:
         meter.uninstall()
+        # free DDP and the handle (reference cycles) while the interpreter is whole: gloo
+        # work objects left to interpreter finalization can abort the process at exit
+        gc.collect()
         dist.destroy_process_group()
 
 

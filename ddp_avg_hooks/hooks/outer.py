@@ -17,6 +17,12 @@ same ``avg`` and so takes the same outer step: the outer optimizer's state (mome
 Adam moments) is identical on every rank, and the parameters stay identical after a
 round.
 
+Tuning: in steady state Nesterov momentum ``m`` at outer lr ``lr`` moves the parameters
+by up to ``lr / (1 - m)`` times a round's averaged change (7x with DiLoCo's defaults), so
+the inner optimizer wants a smaller learning rate than plain training. On this package's
+benchmark model, DiLoCo at period 32 did best at 0.3x DDP's tuned AdamW learning rate and
+stalled at DDP's own (``benchmarks/RESULTS.md``, "DiLoCo sweep").
+
 Design notes:
 
 * One outer optimizer **per bucket** (``state.optimizers[bucket.index()]``), stepped in

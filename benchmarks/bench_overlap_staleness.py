@@ -1,0 +1,84 @@
+"""What overlap's staleness costs in loss: rounds that arrive late, emulated on loopback.
+
+``overlap=True`` applies a round as ``params + (average - params_at_launch)`` when it
+arrives, so each rank keeps the progress it made meanwhile. How late it arrives is set
+here with ``train.py --round-delay`` (the hook's future completes that many seconds after
+the call: a slow link without network namespaces; the loss does not depend on anything
+else about the link). Grid: periods 8 and 32, delays 0 to ~one period of steps, against
+blocking rounds at the same period and no communication at all; 2 ranks, the ~1M-parameter
+``bench`` preset, AdamW lr 1e-3, 400 steps.
+
+Outputs ``benchmarks/results/overlap_staleness.json`` and the section "Overlap staleness
+(issue 7)" of ``benchmarks/RESULTS.md``. About 6 minutes on 2 cores.
+
+    python benchmarks/bench_overlap_staleness.py
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from ddp_avg_hooks.examples import launch, report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SECTION = "## Overlap staleness (issue 7)"
+STEPS, LR = 400, "1e-3"
+# (hook, period, delay seconds)
+GRID = [("none", 8, 0.0), ("allreduce", 8, 0.0), ("allreduce_overlap", 8, 0.0),
+        ("allreduce_overlap", 8, 0.1), ("allreduce_overlap", 8, 0.2),
+        ("allreduce_overlap", 8, 0.4), ("allreduce", 32, 0.0), ("allreduce_overlap", 32, 0.4)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "overlap_staleness"))
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
+    a = p.parse_args(argv)
+    t0 = time.time()
+    runs = {}
+    for hook, period, delay in GRID:
+        name = f"{hook}_p{period}_d{delay:g}"
+        args = ["--preset", "bench", "--steps", str(STEPS), "--eval-every", "40", "--lr", LR,
+                "--progress", "off", "--hook", hook, "--period", str(period),
+                "--round-delay", str(delay)]
+        runs[name] = launch.run_training(args, os.path.join(a.runs_dir, name), timeout_s=a.timeout)
+        print(f"{name}: val {runs[name]['evals'][-1]['val_loss']:.3f}", file=sys.stderr, flush=True)
+    blocking = {r["config"]["period"]: r for r in runs.values() if r["config"]["hook"] == "allreduce"}
+    lines = ["| variant | period | round delay s | median step ms | delay in steps | "
+             "loss @ 200 | loss @ 400 | vs blocking, same period |", "|" + "---|" * 8]
+    for name, run in runs.items():
+        cfg, s = run["config"], run["summary"]
+        step_ms = s["median_step_s"] * 1e3
+        final = run["evals"][-1]["val_loss"]
+        ref = blocking.get(cfg["period"]) if cfg["hook"] != "none" else None
+        lines.append(" | ".join([
+            f"| {cfg['hook']}", str(cfg["period"]) if cfg["hook"] != "none" else "n/a",
+            f"{cfg['round_delay']:g}", f"{step_ms:.1f}",
+            f"{1e3 * cfg['round_delay'] / step_ms:.1f}" if cfg["round_delay"] else "0",
+            f"{report.loss_at_step(run, 200):.3f}", f"{final:.3f}",
+            "n/a" if ref is None else
+            f"{100 * (final - ref['evals'][-1]['val_loss']) / ref['evals'][-1]['val_loss']:+.1f}%"])
+            + " |")
+    cmd = "python benchmarks/bench_overlap_staleness.py" + "".join(f" {x}" for x in (argv or sys.argv[1:]))
+    typical_ms = statistics.median(r["summary"]["median_step_s"] for r in runs.values()) * 1e3
+    md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, ~1M-parameter "
+          f"`bench` preset, AdamW lr {LR}, {STEPS} steps; a round's result arrives `--round-delay` "
+          f"seconds after launch (median step ~{typical_ms:.0f} ms, so 0.4 s is about 8 steps: what "
+          "one exact round of this model takes at 100 Mbit/s). Validation loss of the ranks' "
+          "average model.", "", *lines]
+    report.write_section(a.results_md, "\n".join(md), title=SECTION)
+    with open(os.path.join(HERE, "results", "overlap_staleness.json"), "w") as f:
+        json.dump(dict(command=cmd, runs={n: dict(config=r["config"], summary=r["summary"],
+                                                   evals=r["evals"]) for n, r in runs.items()}),
+                  f, indent=1)
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

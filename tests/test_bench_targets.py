@@ -1,0 +1,56 @@
+"""The benchmark's target lines read the numbers the report computes (no training here)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from ddp_avg_hooks.examples import report
+
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_train.py")
+
+
+@pytest.fixture(scope="module")
+def bench_train():
+    spec = importlib.util.spec_from_file_location("bench_train", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(hook, step_s, evals, bytes_per_step):
+    """evals: (step, val_loss); bytes are cumulative at bytes_per_step."""
+    return {"config": {"hook": hook, "steps": evals[-1][0]},
+            "summary": {"median_step_s": step_s, "mean_step_s": step_s,
+                        "bytes_per_step": bytes_per_step, "comm_share": 0.0,
+                        "median_local_step_s": step_s, "wire_bytes_per_step": None},
+            "evals": [{"step": s, "train_s": s * step_s, "bytes": s * bytes_per_step,
+                       "val_loss": v} for s, v in evals]}
+
+
+def test_issue7_targets_from_bytes_and_step_times(bench_train):
+    runs = {
+        "ddp": _run("ddp", 0.4, [(100, 2.5), (200, 2.0)], 32e6),
+        "none": _run("none", 0.10, [(100, 2.8), (200, 2.4)], 0),
+        "allreduce_overlap": _run("allreduce_overlap", 0.11, [(200, 2.1), (400, 1.9)], 4e6),
+        "fp16_overlap": _run("fp16_overlap", 0.12, [(200, 2.1), (400, 1.9)], 2e6),
+        # 1e6 B/step to 300 steps = 3e8 B vs DDP's 200 x 32e6 = 6.4e9 B: 21.3x fewer
+        "diloco": _run("diloco", 0.1, [(200, 2.2), (300, 1.99), (400, 1.9)], 1e6),
+        # 4e6 B/step to 400 steps = 1.6e9 B: only 4x fewer
+        "diloco_fp16": _run("diloco_fp16", 0.1, [(200, 2.2), (400, 2.0)], 4e6),
+    }
+    lines = bench_train._issue7_targets(report.summarize(runs), "100mbit")
+    assert lines == [
+        "- Overlap (100mbit): `allreduce_overlap` mean step 1.10x the no-communication step "
+        "(target <= 1.15x: met).",
+        "- Overlap (100mbit): `fp16_overlap` mean step 1.20x the no-communication step "
+        "(target <= 1.15x: not met).",
+        "- DiLoCo (100mbit): `diloco` 21.3x fewer bytes than DDP to DDP's target loss "
+        "(target >= 16x: met).",
+        "- DiLoCo (100mbit): `diloco_fp16` 4.0x fewer bytes than DDP to DDP's target loss "
+        "(target >= 16x: not met).",
+    ]
+    del runs["diloco_fp16"]["evals"][-1]  # never at or below the target
+    lines = bench_train._issue7_targets(report.summarize(runs), "x")
+    assert lines[-1] == "- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: not met."
