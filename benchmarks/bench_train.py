@@ -48,6 +48,9 @@ ISSUE7_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloco_fp16"]
 VARIANTS += ISSUE7_VARIANTS
 DILOCO_VARIANTS = {"diloco", "diloco_fp16"}
 DILOCO_PERIOD = 32
+# hierarchical averaging: two "nodes" (namespaces) of --nproc / 2 ranks; not in the default
+# run (2 ranks: one per node), see --nproc
+HIERARCHICAL = "hierarchical"
 BUDGET_1X = {"none", "ddp"}
 
 
@@ -66,6 +69,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=200, help="DDP's step budget (others: 2x)")
     p.add_argument("--period", type=int, default=8)
     p.add_argument("--warmup", type=int, default=0)
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks in all; shaped profiles put half on each of the two nodes")
+    p.add_argument("--intra-period", type=int, default=2,
+                   help="hierarchical: steps between exact rounds inside a node")
     p.add_argument("--lr", type=float, default=1e-3,
                    help="(inner) AdamW learning rate of every variant but DiLoCo's")
     p.add_argument("--diloco-lr", type=float, default=3e-4,
@@ -127,6 +134,9 @@ def main(argv=None) -> int:
             args = [*common, "--hook", v, "--steps", str(steps)]
             if v in DILOCO_VARIANTS:  # later arguments win
                 args += ["--period", str(DILOCO_PERIOD), "--lr", str(a.diloco_lr)]
+            if v == HIERARCHICAL:
+                args += ["--intra-period", str(a.intra_period),
+                         "--ranks-per-node", str(max(1, a.nproc // 2))]
             if v not in BUDGET_1X and "ddp" in runs:  # up to 2x budget: stop once past DDP's loss
                 args += ["--stop-at-loss", str(runs["ddp"]["evals"][-1]["val_loss"]),
                          "--min-steps", str(a.steps)]
@@ -135,9 +145,10 @@ def main(argv=None) -> int:
             try:
                 if prof.shaped:
                     with netns.NetnsPair(prof) as pair:
-                        run = launch.run_training(args, outdir, pair=pair, timeout_s=a.timeout)
+                        run = launch.run_training(args, outdir, pair=pair, nproc=a.nproc,
+                                                  timeout_s=a.timeout)
                 else:
-                    run = launch.run_training(args, outdir, timeout_s=a.timeout)
+                    run = launch.run_training(args, outdir, nproc=a.nproc, timeout_s=a.timeout)
             except launch.LaunchError as exc:  # report it, keep the other variants
                 notes.append(f"{prof.name} / {v} FAILED: {str(exc).splitlines()[0]}")
                 print(notes[-1], file=sys.stderr, flush=True)
@@ -300,6 +311,16 @@ def _issue7_targets(rows: list[dict], prof: str) -> list[str]:
                    else f"{saving:.1f}x fewer bytes than DDP to DDP's target loss "
                         f"(target >= 16x: {'met' if saving >= 16 else 'not met'})")
         out.append(f"- DiLoCo ({prof}): `{v}` {verdict}.")
+    flat, hier = by.get("allreduce"), by.get(HIERARCHICAL)
+    if flat and hier:
+        f = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
+        out.append(
+            f"- Hierarchical ({prof}): loss at DDP's budget {f(hier.get('val_at_budget'), '.3f')} "
+            f"vs {f(flat.get('val_at_budget'), '.3f')} for flat `allreduce` at the same global "
+            f"period; time to target {f(hier.get('time_to_target_s'), '.1f')} s vs "
+            f"{f(flat.get('time_to_target_s'), '.1f')} s; wire MB/step (what crosses the "
+            f"nodes' link) {f(hier.get('wire_mb_per_step'), '.3f')} vs "
+            f"{f(flat.get('wire_mb_per_step'), '.3f')}.")
     return out
 
 

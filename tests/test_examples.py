@@ -77,6 +77,20 @@ def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, 
     assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(0, 40, 4))
 
 
+def test_hierarchical_counts_node_and_global_rounds_separately(tmp_path):
+    # 4 ranks as 2 "nodes" of 2: node rounds every 2 steps, global rounds every 4 (TINY)
+    r = launch.run_training([*TINY, "--hook", "hierarchical", "--intra-period", "2",
+                             "--ranks-per-node", "2"], str(tmp_path / "h"), nproc=4,
+                            timeout_s=180)
+    first, last = _first_last(r["steps"])
+    assert last < first - 0.3, (first, last)
+    assert r["config"]["world_size"] == 4
+    stats, model_bytes = r["summary"]["handle_stats"], 4 * r["config"]["n_params"]
+    assert stats["rounds"] == 10 and stats["bytes_sent"] == 10 * model_bytes
+    assert stats["node"]["rounds"] == 20 and stats["node"]["bytes_sent"] == 20 * model_bytes
+    assert r["summary"]["per_rank_bytes"] == [30 * model_bytes] * 4
+
+
 def test_delayed_hook_holds_results_back_and_keeps_hook_attributes():
     import time
 

@@ -50,15 +50,15 @@ def loopback_command(train_args: list[str], nproc: int = 2) -> list[str]:
             "--nproc-per-node", str(nproc), "-m", TRAIN, *train_args]
 
 
-def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | None = None
-                      ) -> list[tuple[list[str], dict]]:
+def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | None = None,
+                      nproc_per_node: int = 1) -> list[tuple[list[str], dict]]:
     """(argv, extra env) for the torchrun of each node; node a hosts the rendezvous."""
     rdzv_id = rdzv_id or uuid.uuid4().hex[:8]
     out = []
     for i in (0, 1):
         argv = pair.exec_prefix(i) + [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-            "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{pair.addr[0]}:{RDZV_PORT}", "--rdzv-id", rdzv_id,
             "--local-addr", pair.addr[i], "--rdzv-conf", f"is_host={1 if i == 0 else 0}",
             "-m", TRAIN, *train_args]
@@ -98,9 +98,10 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
     if pair is None:
         jobs = [(loopback_command(args, nproc), {})]
     else:
-        if nproc != 2:
-            raise ValueError("the two-namespace launch runs one rank per node (nproc=2)")
-        jobs = two_node_commands(pair, args, rdzv_id)
+        if nproc < 2 or nproc % 2:
+            raise ValueError(f"the two-namespace launch runs nproc / 2 ranks on each of its "
+                             f"two nodes: nproc must be even and >= 2, got {nproc}")
+        jobs = two_node_commands(pair, args, rdzv_id, nproc_per_node=nproc // 2)
     log = log or os.path.join(out, "launch.log")
     procs = []
     t0 = time.perf_counter()

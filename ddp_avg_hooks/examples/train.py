@@ -23,6 +23,9 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
   ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``);
 - ``allreduce_overlap``, ``fp16_overlap``: the same with ``overlap=True`` (a round's
   bytes travel while training goes on);
+- ``hierarchical``: exact rounds inside each node (torchrun's ``LOCAL_WORLD_SIZE`` ranks)
+  every ``--intra-period`` steps, and across all ranks every ``--period``
+  (``hierarchy.node_groups``, two registrations on one model);
 - ``diloco``, ``diloco_fp16``: ``hooks.outer_optimizer(allreduce_hook)`` (resp.
   ``fp16_compress_hook``), an outer Nesterov SGD over the averaged change (DiLoCo's
   defaults, ``--outer-lr`` / ``--outer-momentum``; use a longer ``--period``, e.g. 32, and
@@ -229,6 +232,7 @@ class Variant:
     module: nn.Module                 # the bare model (for evaluation)
     after_step: callable = lambda: False   # returns True when it averaged
     handle: object = None
+    node_handle: object = None              # hierarchical: the rounds inside a node
 
 
 def _need_dah(attr: str, name: str):
@@ -267,6 +271,8 @@ OURS = {
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
     "diloco": ("outer_optimizer", _outer_state),
     "diloco_fp16": ("outer_optimizer", _outer_state),
+    # exact rounds inside each node every --intra-period steps, across all every --period
+    "hierarchical": ("allreduce_hook", lambda dah, args: None),
 }
 # the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
 DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook"}
@@ -357,12 +363,26 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
         hook = hook(getattr(dah.hooks, DILOCO_INNER[name]))
     if args.round_delay > 0:
         hook = delayed_hook(hook, args.round_delay)
+    node_handle = None
+    if name == "hierarchical":  # the node rounds register first: they run first at shared steps
+        per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        groups = dah.hierarchy.node_groups(per_node, cross=False)
+        node_handle = dah.register_averaging_hook(ddp, hook, groups.intra,
+                                                  period=args.intra_period,
+                                                  warmup_steps=args.warmup,
+                                                  bucket_cap_mb=args.bucket_cap_mb)
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
                                          overlap=name.endswith("_overlap"))
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
-    return Variant(name, ddp, model, handle.step, handle)
+    if node_handle is None:
+        return Variant(name, ddp, model, handle.step, handle)
+
+    def after_step() -> bool:
+        in_node = node_handle.step()
+        return handle.step() or in_node
+    return Variant(name, ddp, model, after_step, handle, node_handle)
 
 
 # ---------------------------------------------------------------------------- main
@@ -385,6 +405,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer SGD learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
+    p.add_argument("--intra-period", type=int, default=2,
+                   help="hierarchical: steps between the exact rounds inside each node")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="hierarchical: ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--eval-every", type=int, default=32,
                    help="validate the ranks' average model every N steps (0: only at the end)")
@@ -560,6 +584,9 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     if variant.handle is not None:
         s = variant.handle.stats
         stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4))
+    if variant.node_handle is not None:  # bytes inside a node vs bytes of the global rounds
+        n = variant.node_handle.stats
+        stats["node"] = dict(rounds=n.rounds, bytes_sent=n.bytes_sent, seconds=round(n.seconds, 4))
     meter.uninstall()
     # every rank's view of time and bytes, for the record
     mine = torch.tensor([train_s, float(total_bytes)], dtype=torch.float64)
