@@ -97,9 +97,10 @@ def main(argv=None) -> int:
     if a.replot:
         with open(os.path.join(a.out, "train_summary.json")) as f:
             old = json.load(f)
+        a.title = p.parse_args(shlex.split(old["command"])[2:]).title  # the run's own title
         all_runs, network_of = _load_runs(a.out, a.profiles.split(","))
         a.steps = next(iter(all_runs.values()))["ddp"]["config"]["steps"]
-        t_start -= old["elapsed_s"]
+        a.elapsed_s = old["elapsed_s"]  # the training run's, not the replot's
         a.loadavg_end = old["loadavg_end"]
         _write_outputs(a, all_runs, network_of, old["notes"], t_start, old["loadavg_start"],
                        shlex.split(old["command"])[2:])
@@ -190,12 +191,13 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
               f"batch {cfg['batch_size']}/rank | budget {a.steps} steps (others up to {2 * a.steps}) | "
               f"period {cfg['period']}, warm-up {cfg['warmup']} | AdamW lr {cfg['lr']:g}"
               f"{_diloco_header(all_runs)} | ops backend {backend}")
-    rows_by_profile = {prof: report.summarize(runs) for prof, runs in all_runs.items()}
+    rows_by_profile = {prof: _with_round_bytes(report.summarize(runs), runs)
+                       for prof, runs in all_runs.items()}
     png = report.plot({f"{p}: {network_of[p]}" if p != "loopback" else p: r
                        for p, r in all_runs.items()}, os.path.join(a.out, "train.png"),
                       title=header.split(" | ops")[0])
     cmd = "python benchmarks/bench_train.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    elapsed = time.time() - t_start
+    elapsed = getattr(a, "elapsed_s", None) or time.time() - t_start
     summary = dict(header=header, command=cmd.strip(), notes=notes, elapsed_s=elapsed,
                    loadavg_start=load_start, loadavg_end=getattr(a, "loadavg_end", None) or os.getloadavg(),
                    networks=network_of, rows=rows_by_profile)
@@ -233,6 +235,17 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
     report.write_section(a.results_md, "\n".join(body))
     print("\n".join(md))
     print(f"plot: {png}; results: {a.out}; table: {a.results_md}", file=sys.stderr)
+
+
+def _with_round_bytes(rows: list[dict], runs: dict) -> list[dict]:
+    """Add the handles' own byte counts: the global rounds, and (hierarchical) the node rounds."""
+    for row in rows:
+        stats = runs[row["variant"]]["summary"].get("handle_stats") or {}
+        if "bytes_sent" in stats:
+            row["global_round_mb"] = stats["bytes_sent"] / 1e6
+        if "node" in stats:
+            row["node_round_mb"] = stats["node"]["bytes_sent"] / 1e6
+    return rows
 
 
 def _diloco_header(all_runs: dict) -> str:
@@ -285,11 +298,16 @@ def _issue5_targets(rows: list[dict], prof: str) -> list[str]:
     best = min(reached, key=lambda r: r["time_to_target_s"])
     vs_ddp, vs_torch, gap = best.get("ttt_speedup_vs_ddp"), best.get("ttt_speedup_vs_torch"), best.get("gap_pct")
     f = lambda v, s: "n/a" if v is None else format(v, s)  # noqa: E731
+    if vs_torch is not None:
+        torch_part = (f"{vs_torch:.2f}x sooner than PyTorch's PeriodicModelAverager (target >= "
+                      f"1.5x: {'met' if vs_torch >= 1.5 else 'not met'})")
+    elif any(r["variant"] == "torch_localsgd" for r in rows):
+        torch_part = "PyTorch's PeriodicModelAverager did not reach it (target >= 1.5x: n/a)"
+    else:
+        torch_part = "PyTorch's PeriodicModelAverager not in this run (target >= 1.5x: n/a)"
     line = (f"Targets ({prof}): best hook `{best['variant']}` reaches the target "
             f"{f(vs_ddp, '.2f')}x sooner than DDP (target >= 4x: "
-            f"{'met' if vs_ddp and vs_ddp >= 4 else 'not met'}), {f(vs_torch, '.2f')}x sooner than "
-            f"PyTorch's PeriodicModelAverager (target >= 1.5x: "
-            f"{'met' if vs_torch and vs_torch >= 1.5 else 'not met' if vs_torch else 'n/a: torch did not reach it'}); "
+            f"{'met' if vs_ddp and vs_ddp >= 4 else 'not met'}), {torch_part}; "
             f"loss at equal samples {f(gap, '+.1f')}% vs DDP (target within 2%: "
             f"{'met' if gap is not None and abs(gap) <= 2 else 'not met'}).")
     return [line]
@@ -320,7 +338,10 @@ def _issue7_targets(rows: list[dict], prof: str) -> list[str]:
             f"period; time to target {f(hier.get('time_to_target_s'), '.1f')} s vs "
             f"{f(flat.get('time_to_target_s'), '.1f')} s; wire MB/step (what crosses the "
             f"nodes' link) {f(hier.get('wire_mb_per_step'), '.3f')} vs "
-            f"{f(flat.get('wire_mb_per_step'), '.3f')}.")
+            f"{f(flat.get('wire_mb_per_step'), '.3f')}; bytes of the global rounds over the run (each "
+            f"stops at the target) {f(hier.get('global_round_mb'), '.1f')} MB "
+            f"vs {f(flat.get('global_round_mb'), '.1f')} MB, plus {f(hier.get('node_round_mb'), '.1f')} "
+            "MB of node rounds that stay inside the nodes (counted in its MB/step and MB to target).")
     return out
 
 

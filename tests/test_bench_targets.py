@@ -54,3 +54,19 @@ def test_issue7_targets_from_bytes_and_step_times(bench_train):
     del runs["diloco_fp16"]["evals"][-1]  # never at or below the target
     lines = bench_train._issue7_targets(report.summarize(runs), "x")
     assert lines[-1] == "- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: not met."
+
+
+def test_hierarchical_line_compares_with_flat_averaging(bench_train):
+    runs = {
+        "ddp": _run("ddp", 0.4, [(100, 2.5), (200, 2.0)], 32e6),
+        "allreduce": _run("allreduce", 0.1, [(200, 2.2), (300, 2.0)], 1e6),
+        "hierarchical": _run("hierarchical", 0.1, [(200, 2.1), (280, 2.0)], 5e6),
+    }
+    runs["allreduce"]["summary"]["handle_stats"] = {"bytes_sent": 3e8}
+    runs["hierarchical"]["summary"]["handle_stats"] = {"bytes_sent": 2.8e8,
+                                                       "node": {"bytes_sent": 1.1e9}}
+    rows = bench_train._with_round_bytes(report.summarize(runs), runs)
+    (line,) = bench_train._issue7_targets(rows, "p")
+    assert line.startswith("- Hierarchical (p): loss at DDP's budget 2.100 vs 2.200 for flat")
+    assert "time to target 28.0 s vs 30.0 s" in line
+    assert "280.0 MB vs 300.0 MB, plus 1100.0 MB of node rounds" in line
