@@ -29,7 +29,7 @@ test: ext
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_FLAGS)
 
 demo: install
-	$(PY) -m ddp_avg_hooks.examples.demo
+	PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m harness.demo
 
 # The end-to-end benchmarks of issues 5 and 7 (about an hour on 2 cores; needs root for
 # the network namespaces, else loopback only). `make bench-sweep`: DiLoCo's tuning sweep.

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from ddp_avg_hooks.examples import launch, report
+from harness import launch, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## DiLoCo sweep (issue 7)"

@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from ddp_avg_hooks.examples import launch, report
+from harness import launch, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Overlap staleness (issue 7)"

@@ -1,6 +1,6 @@
 """End-to-end benchmark: local SGD against DDP on real training, under network profiles.
 
-Runs ``ddp_avg_hooks.examples.train`` (2 CPU ranks, a char-level transformer on the
+Runs ``harness/train.py`` (2 CPU ranks, a char-level transformer on the
 Python stdlib source) for every variant, under every profile, in this one invocation:
 
 - variants: ``none`` (no communication: each rank alone, the physical limit), ``ddp``,
@@ -36,8 +36,8 @@ import time
 
 import torch
 
-from ddp_avg_hooks.examples import launch, netns, report
-from ddp_avg_hooks.examples.train import split_available
+from harness import launch, netns, report
+from harness.train import split_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -258,14 +258,14 @@ def _diloco_header(all_runs: dict) -> str:
 
 
 def _two_node_record(path: str) -> list[str]:
-    """The recorded ``python -m ddp_avg_hooks.examples.launch`` run (item 4), if any."""
+    """The recorded ``harness.launch`` run of two torchrun nodes, if any."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
         rec = json.load(f)
     o = rec["outcome"]
     md = ["### Two torchrun nodes in two network namespaces", "",
-          f"`python -m ddp_avg_hooks.examples.launch --profile 100mbit --record "
+          f"`PYTHONPATH=benchmarks python -m harness.launch --profile 100mbit --record "
           f"benchmarks/results/two_node.json -- {' '.join(rec['train_args'])}` ran, on "
           f"{rec['network']}:", "", "```"]
     md += [c.replace(os.getcwd() + "/", "") for c in rec.get("commands") or []]

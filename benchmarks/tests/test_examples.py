@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ddp_avg_hooks.examples import launch, train
+from harness import launch, train
 
 TINY = ["--preset", "tiny", "--steps", "40", "--eval-every", "16", "--lr", "3e-3",
         "--period", "4", "--progress", "off", "--corpus-bytes", "400000", "--timeout", "60"]

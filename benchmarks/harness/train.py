@@ -8,7 +8,7 @@ Python). The last ``--val-frac`` of the text is held out for validation. Tokens 
 Run::
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 \\
-        -m ddp_avg_hooks.examples.train --hook allreduce --period 8 --steps 200 --out runs/a
+        benchmarks/harness/train.py --hook allreduce --period 8 --steps 200 --out runs/a
 
 and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
 

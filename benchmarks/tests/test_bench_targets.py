@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from ddp_avg_hooks.examples import report
+from harness import report
 
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "bench_train.py")
+_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench_train.py")
 
 
 @pytest.fixture(scope="module")

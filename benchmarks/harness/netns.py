@@ -1,4 +1,4 @@
-"""Network profiles for the examples and benchmarks: real links, not simulated ones.
+"""Network profiles for the benchmark harness: real links, not simulated ones.
 
 A shaped profile puts each of two "nodes" in its own network namespace, joined by one
 veth pair, and shapes both ends with ``tc ... tbf`` (token bucket: rate limit). Delay
@@ -287,7 +287,7 @@ def measure_throughput(pair: NetnsPair, nbytes: int = 4 << 20, port: int = 5201)
         sink.wait()
 
 
-if __name__ == "__main__":  # python -m ddp_avg_hooks.examples.netns [profile]: measure a link
+if __name__ == "__main__":  # PYTHONPATH=benchmarks python -m harness.netns [profile]: measure a link
     ok, why = netns_available()
     print(why)
     if ok:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddp_avg_hooks.examples import report
+from harness import report
 
 
 def _run(hook, steps, evals, median, mean, bytes_per_step, local=None, comm=0.0):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ddp_avg_hooks.examples import netns
+from harness import netns
 
 OK, WHY = netns.netns_available() if sys.platform == "linux" else (False, "not Linux")
 pytestmark = pytest.mark.skipif(not OK, reason=f"needs root and ip netns: {WHY}")
@@ -38,7 +38,7 @@ def test_teardown_on_exception():
 
 _CHILD = """
 import sys, time
-from ddp_avg_hooks.examples import netns
+from harness import netns
 pair = netns.NetnsPair(netns.PROFILES["100mbit"]); pair.setup()
 print(" ".join(pair.ns), flush=True)
 sys.stdin.readline()
@@ -50,8 +50,11 @@ time.sleep(60)
 
 @pytest.mark.parametrize("how", ["exit", "SIGTERM", "SIGINT", "SIGKILL"])
 def test_teardown_when_the_process_dies(how):
+    benchmarks = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [benchmarks, *filter(None, [os.environ.get("PYTHONPATH")])]))
     p = subprocess.Popen([sys.executable, "-c", _CHILD, how], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True, env=env)
     try:
         names = p.stdout.readline().split()
         assert len(names) == 2 and set(names) <= netns.existing_namespaces()

@@ -1,6 +1,6 @@
 """``make demo``: plain DDP against local SGD (period 8) on a real model, side by side.
 
-Runs :mod:`ddp_avg_hooks.examples.train` with 2 CPU processes for ``ddp`` and for our
+Runs :mod:`harness.train` with 2 CPU processes for ``ddp`` and for our
 ``allreduce``, ``fp16`` and ``powersgd`` hooks, then prints a table (final validation loss,
 time per step, MB sent per step, speedup over DDP) and writes a PNG plot of validation
 loss against wall-clock time and against MB sent.
@@ -9,7 +9,7 @@ As root with ``ip netns`` the two ranks run as two torchrun "nodes" in two netwo
 namespaces joined by a veth pair shaped to 100 Mbit/s (``tc tbf``); otherwise on loopback.
 The output says which. ``--network loopback`` forces loopback.
 
-    python -m ddp_avg_hooks.examples.demo [--steps 240] [--out out/demo]
+    PYTHONPATH=benchmarks python -m harness.demo [--steps 240] [--out out/demo]
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Launch :mod:`ddp_avg_hooks.examples.train` with torchrun, locally or as two "nodes".
+"""Launch ``train.py`` (next to this file) with torchrun, locally or as two "nodes".
 
-- Loopback: ``python -m torch.distributed.run --standalone --nproc-per-node N -m
-  ddp_avg_hooks.examples.train ...`` (the rendezvous port is picked by the OS).
-- Two nodes in two network namespaces (:class:`~ddp_avg_hooks.examples.netns.NetnsPair`),
+- Loopback: ``python -m torch.distributed.run --standalone --nproc-per-node N
+  /path/to/benchmarks/harness/train.py ...`` (the rendezvous port is picked by the OS).
+- Two nodes in two network namespaces (:class:`~harness.netns.NetnsPair`),
   one torchrun per namespace, exactly what one would type on two machines::
 
       # node a (10.231.0.1)                      # node b (10.231.0.2)
@@ -11,7 +11,7 @@
         --rdzv-backend c10d \\                     --rdzv-backend c10d \\
         --rdzv-endpoint 10.231.0.1:29400 \\        --rdzv-endpoint 10.231.0.1:29400 \\
         --rdzv-id ID --local-addr 10.231.0.1 \\    --rdzv-id ID --local-addr 10.231.0.2 \\
-        --rdzv-conf is_host=1 -m ...train ...      --rdzv-conf is_host=0 -m ...train ...
+        --rdzv-conf is_host=1 .../train.py ...     --rdzv-conf is_host=0 .../train.py ...
 
 Every launch has a deadline; on failure or timeout the whole process tree of each
 torchrun is killed (each runs in its own session) before the error is raised.
@@ -29,7 +29,9 @@ import uuid
 
 from .netns import NetnsPair
 
-TRAIN = "ddp_avg_hooks.examples.train"
+# torchrun runs the script by its absolute path: the same from any working directory,
+# inside a network namespace too, with no PYTHONPATH to set
+TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 RDZV_PORT = 29400
 
 
@@ -47,7 +49,7 @@ def _env(extra: dict | None = None) -> dict:
 
 def loopback_command(train_args: list[str], nproc: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), "-m", TRAIN, *train_args]
+            "--nproc-per-node", str(nproc), TRAIN, *train_args]
 
 
 def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | None = None,
@@ -61,7 +63,7 @@ def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | Non
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{pair.addr[0]}:{RDZV_PORT}", "--rdzv-id", rdzv_id,
             "--local-addr", pair.addr[i], "--rdzv-conf", f"is_host={1 if i == 0 else 0}",
-            "-m", TRAIN, *train_args]
+            TRAIN, *train_args]
         out.append((argv, {"GLOO_SOCKET_IFNAME": pair.ifname[i], "DAH_WIRE_IFACE": pair.ifname[i]}))
     return out
 
@@ -149,7 +151,7 @@ def _tail(path: str, n: int = 30) -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m ddp_avg_hooks.examples.launch [--profile 100mbit] [--record F] -- TRAIN ARGS``
+    """``PYTHONPATH=benchmarks python -m harness.launch [--profile 100mbit] [--record F] -- TRAIN ARGS``
 
     Runs the training script as two torchrun nodes in two network namespaces, printing
     the exact command of each node and the outcome.
