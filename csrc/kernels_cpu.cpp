@@ -6,15 +6,11 @@
 // the calling thread. On x86-64 CPUs with AVX2 and F16C (checked at run time) the loops
 // run 8 elements at a time with the F16C conversion instructions, as torch's own
 // vectorized copy does; elsewhere, and for the last n % 8 elements, the portable
-// branch-free scalar code below runs (the compiler vectorizes it too).
-//
-// fp16/bf16 conversions reproduce Tensor.to bit for bit for every non-NaN input
-// (round to nearest-even, subnormals, overflow to inf). NaN stays NaN with its sign for
-// fp16 (payload truncated like the x86 F16C instruction torch uses); float -> bf16
-// gives the canonical 0x7fc0 like c10's scalar conversion. Torch's own code paths
-// disagree on NaN payloads, so only "is NaN" is part of the contract.
+// branch-free scalar conversions of dtypes.h run (the compiler vectorizes them too).
+// Both round the same way, bit for bit.
 
 #include "kernels.h"
+#include "dtypes.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,69 +29,10 @@
 
 namespace {
 
-inline uint32_t f2u(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float u2f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// IEEE half -> float (exact), after c10::detail::fp16_ieee_to_fp32_value.
-inline float half_to_float(uint16_t h) {
-  const uint32_t w = static_cast<uint32_t>(h) << 16;
-  const uint32_t sign = w & 0x80000000u;
-  const uint32_t two_w = w + w;
-  const float normalized = u2f((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-  const float denormalized = u2f((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t r = two_w < (1u << 27) ? f2u(denormalized) : f2u(normalized);
-  return u2f(sign | r);
-}
-
-// float -> IEEE half, round to nearest-even (F. Giesen's float_to_half_fast3_rtne,
-// made branch-free so it vectorizes).
-inline uint16_t float_to_half(float f) {
-  const uint32_t x = f2u(f);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const uint32_t ax = x & 0x7fffffffu;
-  // normal result: rebias the exponent, round on bit 13 (carries into inf correctly)
-  const uint32_t normal = (ax + 0xC8000FFFu + ((ax >> 13) & 1u)) >> 13;
-  // subnormal or zero result: let the FPU round by adding 0.5f (aligns the mantissa)
-  const uint32_t subnormal = f2u(u2f(ax) + 0.5f) - 0x3F000000u;
-  const uint32_t nan = 0x7E00u | ((ax >> 13) & 0x3FFu);
-  uint32_t r = ax < 0x38800000u ? subnormal : normal;
-  r = ax >= 0x47800000u ? 0x7C00u : r;  // overflow -> inf
-  r = ax > 0x7F800000u ? nan : r;
-  return static_cast<uint16_t>(r | sign);
-}
-
-inline float bf16_to_float(uint16_t b) { return u2f(static_cast<uint32_t>(b) << 16); }
-
-// float -> bfloat16, round to nearest-even, as c10::detail::round_to_nearest_even.
-inline uint16_t float_to_bf16(float f) {
-  const uint32_t u = f2u(f);
-  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
-}
-
-struct F32 {
-  using T = float;
-  static float load(T x) { return x; }
-  static T store(float x) { return x; }
-};
-struct F16 {
-  using T = uint16_t;
-  static float load(T x) { return half_to_float(x); }
-  static T store(float x) { return float_to_half(x); }
-};
-struct BF16 {
-  using T = uint16_t;
-  static float load(T x) { return bf16_to_float(x); }
-  static T store(float x) { return float_to_bf16(x); }
-};
+using dah::BF16;
+using dah::F16;
+using dah::F32;
+using dah::dispatch;
 
 #ifdef DAH_X86_AVX2
 const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
@@ -183,17 +120,6 @@ DAH_AVX2 int64_t apply_avx2(const typename A::T* __restrict a, typename P::T* __
   return j;
 }
 #endif  // DAH_X86_AVX2
-
-// Calls f(F32{}) / f(F16{}) / f(BF16{}) for a dtype code.
-template <class Fn>
-bool dispatch(int dtype, Fn&& f) {
-  switch (dtype) {
-    case DAH_FLOAT32: f(F32{}); return true;
-    case DAH_FLOAT16: f(F16{}); return true;
-    case DAH_BFLOAT16: f(BF16{}); return true;
-    default: return false;
-  }
-}
 
 template <class D>
 using Ptr = typename D::T* __restrict;

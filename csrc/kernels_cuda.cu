@@ -8,17 +8,15 @@
 // when every pointer of the chunk is aligned, with a scalar tail; otherwise scalar.
 // Everything runs on the stream passed in, and errors come back as cudaError_t.
 //
-// Conversions use the same intrinsics as c10::Half / c10::BFloat16 on CUDA
-// (__float2half_rn, __float2bfloat16_rn: round to nearest-even), so results equal
-// Tensor.to bit for bit (NaN payloads aside); equal dtypes are copied as bits.
+// Conversions are dtypes.h's: in device code the intrinsics c10::Half / c10::BFloat16
+// use on CUDA (__float2half_rn, __float2bfloat16_rn: round to nearest-even), so
+// results equal Tensor.to bit for bit (NaN payloads aside); equal dtypes are copied as
+// bits. Half and bfloat16 elements are stored as uint16_t.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <type_traits>
-
+#include "dtypes.h"
 #include "kernels.h"
 
 namespace {
@@ -38,31 +36,11 @@ struct SegList {  // passed by value: ~1.3 KB of the 4 KB argument space
   int n;
 };
 
-struct F32 {
-  using T = float;
-  static __device__ __forceinline__ float load(T x) { return x; }
-  static __device__ __forceinline__ T store(float x) { return x; }
-};
-struct F16 {
-  using T = __half;
-  static __device__ __forceinline__ float load(T x) { return __half2float(x); }
-  static __device__ __forceinline__ T store(float x) { return __float2half_rn(x); }
-};
-struct BF16 {
-  using T = __nv_bfloat16;
-  static __device__ __forceinline__ float load(T x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ T store(float x) { return __float2bfloat16_rn(x); }
-};
-
-// In -> Out with one rounding; equal dtypes keep their bits.
-template <class Out, class In>
-__device__ __forceinline__ typename Out::T convert(typename In::T x) {
-  if constexpr (std::is_same<Out, In>::value) {
-    return x;
-  } else {
-    return Out::store(In::load(x));
-  }
-}
+using dah::BF16;
+using dah::F16;
+using dah::F32;
+using dah::convert;
+using dah::dispatch;
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -182,16 +160,6 @@ cudaError_t launch_list(void* const* params, const int64_t* numels, const int64_
   }
   flush();
   return err;
-}
-
-template <class Fn>
-bool dispatch(int dtype, Fn&& f) {
-  switch (dtype) {
-    case DAH_FLOAT32: f(F32{}); return true;
-    case DAH_FLOAT16: f(F16{}); return true;
-    case DAH_BFLOAT16: f(BF16{}); return true;
-    default: return false;
-  }
 }
 
 }  // namespace
