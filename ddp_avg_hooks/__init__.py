@@ -6,28 +6,32 @@ Example:
     (True, True)
 """
 
-from . import grad_hooks, hierarchy, hooks, ops, schedules
-from .bucket import ParamBucket, needs_anchor
+from . import grad_hooks, hierarchy, hooks, ops, rounds, schedules
+from .bucket import ParamBucket
+from .handle import AveragingHandle, AveragingStats
 from .optim import AveragingOptimizer
-from .registry import (
-    AveragingHandle,
-    AveragingHookError,
-    AveragingStats,
-    register_averaging_hook,
-)
+from .options import AveragingOptions
+from .protocol import HookSpec, averaging_hook, hook_spec, needs_anchor
+from .registry import register_averaging_hook
+from .rounds import AveragingHookError
 
 __all__ = [
     "AveragingHandle",
     "AveragingHookError",
     "AveragingOptimizer",
+    "AveragingOptions",
     "AveragingStats",
+    "HookSpec",
     "ParamBucket",
+    "averaging_hook",
     "grad_hooks",
     "hierarchy",
+    "hook_spec",
     "hooks",
     "needs_anchor",
     "ops",
     "register_averaging_hook",
+    "rounds",
     "schedules",
 ]
 __version__ = "0.1.0"

@@ -16,18 +16,22 @@ from . import ops
 class ParamBucket:
     """A group of parameters of one (device, dtype) and a persistent flat buffer.
 
-    In a round, :meth:`buffer` holds the parameters (copied on first use, or scaled on
-    the way with :meth:`scaled_buffer`); the hook returns a future of the bucket's new
-    flat values. The buffer is scratch space owned by the round: a hook may overwrite
-    it (``bucket.buffer().div_(n)``) and even return it; the parameters only change
-    when the registry writes the result back.
+    In a round, :meth:`buffer` holds the parameters (copied on first use); the hook
+    returns a future of the bucket's new flat values. The buffer is scratch space owned
+    by the round: a hook may overwrite it (``bucket.buffer().div_(n)``) and even return
+    it; the parameters only change when the round engine writes the result back. A hook
+    that writes every element itself takes :meth:`workspace` instead and skips the copy.
 
-    Hooks that need the parameters as of the last averaging round (to send the
-    *change* ``anchor - params``, as the compressed hooks do) ask for anchors by
-    setting ``needs_anchor = True`` on the hook function (see
-    :func:`ddp_avg_hooks.needs_anchor`) or by passing ``keep_anchor=True`` to
-    :func:`ddp_avg_hooks.register_averaging_hook`. Anchors cost one copy of the
+    Hooks that send the *change* since the last round (``anchor - params``, as the
+    compressed hooks do) declare ``needs_anchor`` (:func:`ddp_avg_hooks.averaging_hook`),
+    or the registration passes ``keep_anchor=True``. Anchors cost one copy of the
     parameters, so buckets of other hooks do not keep them.
+
+    Public surface: the ``GradBucket`` shape (:meth:`index`, :meth:`buffer`,
+    :meth:`parameters`, :meth:`is_last`, :meth:`set_buffer`) plus :meth:`numel`,
+    :meth:`anchor`, :meth:`delta`, :meth:`workspace`, :meth:`memory`,
+    :meth:`record_sent` and the ``device`` / ``dtype`` attributes. Methods starting with
+    ``_`` belong to the round engine.
 
     Example:
         >>> import torch
@@ -36,7 +40,7 @@ class ParamBucket:
         >>> b = ParamBucket(0, ps, is_last=True, keep_anchor=True)
         >>> b.numel(), b.dtype
         (7, torch.float32)
-        >>> b.load_parameters().tolist()
+        >>> b.buffer().tolist()
         [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
         >>> with torch.no_grad():
         ...     _ = ps[1].add_(0.5)
@@ -71,7 +75,7 @@ class ParamBucket:
         self._anchor: torch.Tensor | None = None
         if keep_anchor:
             self._anchor = torch.empty_like(self._buffer)
-            self.reset_anchor()
+            self._reset_anchor()
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._memory: dict[str, torch.Tensor] = {}
         self._launch: torch.Tensor | None = None  # parameters when an overlapped round began
@@ -89,11 +93,15 @@ class ParamBucket:
         hook's scratch space and later calls return it as the hook left it.
         """
         if not self._loaded:
-            self.load_parameters()
+            self._load_parameters()
         return self._buffer
 
-    def scaled_buffer(self, scale: float) -> torch.Tensor:
-        """:meth:`buffer` filled with ``parameters * scale``: the scaling fused into the copy."""
+    def _scaled_buffer(self, scale: float) -> torch.Tensor:
+        """:meth:`buffer` filled with ``parameters * scale`` in one pass.
+
+        Equals ``buffer().div_(n)`` only for ``scale = 1 / n`` with ``n`` a power of two,
+        which is why it is not public.
+        """
         ops.flatten(self._params, self._buffer, None if scale == 1.0 else scale)
         self._loaded = True
         return self._buffer
@@ -126,7 +134,7 @@ class ParamBucket:
         """Number of parameter elements in this bucket."""
         return self._numel
 
-    def has_anchor(self) -> bool:
+    def _has_anchor(self) -> bool:
         """Whether this bucket keeps anchors (see the class docstring)."""
         return self._anchor is not None
 
@@ -173,32 +181,31 @@ class ParamBucket:
         """
         self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
-    # --- used by the registry --------------------------------------------------------
+    # --- used by the round engine (rounds.py), not by hooks ---------------------------
     @torch.no_grad()
-    def load_parameters(self) -> torch.Tensor:
+    def _load_parameters(self) -> torch.Tensor:
         """Copy the live parameters into :meth:`buffer` and return it."""
         self._loaded = True
         return ops.flatten(self._params, self._buffer)
 
-    def start_round(self) -> None:
+    def _start_round(self) -> None:
         """Mark :meth:`buffer` stale: the next call copies the parameters again."""
         self._loaded = False
 
     @torch.no_grad()
-    def write_back(self, values: torch.Tensor) -> None:
+    def _write_back(self, values: torch.Tensor) -> None:
         """Copy ``values`` into the parameters in place (and into the anchor, if kept)."""
         ops.apply_(values.reshape(-1), self._params, self._anchor)
 
     @torch.no_grad()
-    @torch.no_grad()
-    def snapshot_launch(self) -> None:
+    def _snapshot_launch(self) -> None:
         """Remember the parameters as an overlapped round begins (one copy, kept)."""
         if self._launch is None:
             self._launch = torch.empty_like(self._buffer)
         ops.flatten(self._params, self._launch)
 
     @torch.no_grad()
-    def write_back_with_progress(self, values: torch.Tensor) -> None:
+    def _write_back_with_progress(self, values: torch.Tensor) -> None:
         """Apply an overlapped round: ``params <- params + (values - params_at_launch)``.
 
         Keeps the local progress made while the round was in flight; the anchor
@@ -210,7 +217,7 @@ class ParamBucket:
             self._anchor.copy_(values.reshape(-1))
 
     @torch.no_grad()
-    def squared_distance(self, values: torch.Tensor, *, from_launch: bool = False) -> torch.Tensor:
+    def _squared_distance(self, values: torch.Tensor, *, from_launch: bool = False) -> torch.Tensor:
         """``||params - values||^2`` in float64 (``from_launch``: the launch snapshot)."""
         source = _split_like(self._launch, self._params) if from_launch else self._params
         total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -218,16 +225,35 @@ class ParamBucket:
             total += (p.double() - v.double()).pow(2).sum()
         return total
 
-    def reset_anchor(self) -> None:
+    def _reset_anchor(self) -> None:
         """Make the current parameters the anchor (a no-op without anchors)."""
         if self._anchor is not None:
             ops.flatten(self._params, self._anchor)
 
-    def take_bytes_sent(self) -> int:
+    def _take_bytes_sent(self) -> int:
         sent, self._bytes_sent = self._bytes_sent, 0
         return sent
 
-    def layout(self) -> tuple:
+    def _state_dict(self) -> dict:
+        """Anchor (or ``None``) and hook memory, cloned: this bucket's part of a checkpoint."""
+        return {"anchor": None if self._anchor is None else self._anchor.clone(),
+                "memory": {k: v.clone() for k, v in self._memory.items()}}
+
+    def _check_state(self, saved: dict) -> None:
+        if self._anchor is not None and saved["anchor"] is None:
+            raise ValueError(
+                f"load_state_dict: bucket {self._index} keeps an anchor but the checkpoint "
+                "has none (was it saved by a handle without keep_anchor?)"
+            )
+
+    def _load_state_dict(self, saved: dict) -> None:
+        """Restore what :meth:`_state_dict` saved (checked first by :meth:`_check_state`)."""
+        if self._anchor is not None:
+            self._anchor.copy_(saved["anchor"])
+        self._memory.clear()
+        self._memory.update({k: v.to(self.device).clone() for k, v in saved["memory"].items()})
+
+    def _layout(self) -> tuple:
         """(device type, dtype, shapes): what must agree across ranks."""
         return (self.device.type, str(self.dtype), tuple(tuple(p.shape) for p in self._params))
 
@@ -279,31 +305,3 @@ def assign_buckets(
         ParamBucket(i, g, is_last=i == len(groups) - 1, keep_anchor=keep_anchor)
         for i, g in enumerate(groups)
     ]
-
-
-def needs_anchor(hook):
-    """Mark an averaging hook as one that reads ``bucket.anchor()`` or ``bucket.delta()``.
-
-    Buckets of a registration keep anchors (one copy of the parameters) only when
-    its hook carries this mark or ``keep_anchor=True`` is passed at registration.
-
-    Example:
-        >>> from ddp_avg_hooks import needs_anchor
-        >>> @needs_anchor
-        ... def my_delta_hook(state, bucket): ...
-        >>> my_delta_hook.needs_anchor
-        True
-    """
-    hook.needs_anchor = True
-    return hook
-
-
-def hook_attribute(hook, name: str, default=None):
-    """``hook.<name>``, looking through ``functools.partial`` wrappers."""
-    while True:
-        if hasattr(hook, name):
-            return getattr(hook, name)
-        inner = getattr(hook, "func", None)
-        if inner is None or inner is hook:
-            return default
-        hook = inner

@@ -8,78 +8,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .bucket import assign_buckets, hook_attribute
-from .handle import (
-    OPTIMIZER_STATE_POLICIES,
-    AveragingHandle,
-    AveragingHookError,
-    AveragingStats,
-    HandleOptions,
-    difference,
-    warn_redundant_buffer_averaging,
-)
-from .hooks._comm import is_group, is_member
-from .schedules import PeriodSchedule, as_schedule
+from ._groups import group_of_state, is_member
+from .bucket import assign_buckets
+from .handle import AveragingHandle, AveragingStats, difference
+from .observers import make_observers
+from .options import AveragingOptions
+from .policies import make_policies
+from .protocol import hook_spec
+from .rounds import AveragingHookError, RoundEngine
+from .schedules import PeriodSchedule
 
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
-
-_OPTIONS = ("keep_anchor", "process_group") + tuple(HandleOptions.__dataclass_fields__)
-
-
-def _hook_name(hook) -> str:
-    inner = hook
-    while getattr(inner, "func", None) is not None and not hasattr(inner, "__qualname__"):
-        inner = inner.func
-    name = getattr(inner, "__qualname__", None) or type(inner).__name__
-    module = getattr(inner, "__module__", None)
-    return f"{module}.{name}" if module else name
-
-
-def _resolve_process_group(state, explicit):
-    """The group whose ranks must agree: explicit, else the hook state's, else WORLD."""
-    if explicit is not None:
-        if not is_group(explicit):
-            raise TypeError(
-                f"process_group must be a torch.distributed.ProcessGroup, got {type(explicit).__name__}"
-            )
-        return explicit
-    if is_group(state):
-        return state
-    group = getattr(state, "process_group", None)
-    return group if is_group(group) else dist.group.WORLD
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _options(options: dict, optimizer) -> tuple[HandleOptions, bool | None, object]:
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"register_averaging_hook: unknown option(s) {unknown}; accepted: {list(_OPTIONS)}"
-        )
-    keep_anchor = options.pop("keep_anchor", None)
-    group = options.pop("process_group", None)
-    for flag in ("check_finite", "verify", "overlap", "track_consensus", "average_buffers"):
-        if not isinstance(options.get(flag, False), bool):
-            raise TypeError(f"{flag} must be True or False, got {options[flag]!r}")
-    policy = options.get("optimizer_state", "keep")
-    if policy not in OPTIMIZER_STATE_POLICIES:
-        raise ValueError(
-            f"optimizer_state must be one of {OPTIMIZER_STATE_POLICIES}, got {policy!r}"
-        )
-    if policy != "keep" and optimizer is None:
-        raise ValueError(
-            f"optimizer_state={policy!r} needs the optimizer: pass optimizer=... as well"
-        )
-    on_round = options.get("on_round")
-    if on_round is not None and not callable(on_round):
-        raise TypeError(f"on_round must be callable(handle), got {type(on_round).__name__}")
-    return HandleOptions(**options), keep_anchor, group
 
 
 def _agree_across_ranks(handle: AveragingHandle, group) -> None:
@@ -99,9 +38,12 @@ def _agree_across_ranks(handle: AveragingHandle, group) -> None:
         values = [g[key] for g in gathered]
         differ = [r for r, v in enumerate(values) if v != values[0]]
         if differ:
+            first = differ[0]
+            what = difference(key, values[first], values[0],
+                              theirs_at=f"on rank {first}", mine_at="on rank 0")
             raise ValueError(
                 f"register_averaging_hook: ranks disagree on {key!r} (ranks {differ} differ "
-                f"from rank 0): {difference(key, values[differ[0]], values[0]).replace('there', f'on rank {differ[0]}').replace('here', 'on rank 0')}. "
+                f"from rank 0): {what}. "
                 "Every rank must register the same hook, period, warmup_steps and model"
             )
 
@@ -135,8 +77,9 @@ def register_averaging_hook(
             gradients (``>= 0``).
         bucket_cap_mb: largest bucket, in MiB (``> 0``); bigger parameters get their own.
         optimizer: if given, :meth:`AveragingHandle.step` runs after each of its steps.
-        **options:
-            ``keep_anchor`` (bool; default: the hook's ``needs_anchor`` mark);
+        **options (checked by :class:`~ddp_avg_hooks.options.AveragingOptions`):
+            ``keep_anchor`` (bool; default: as the hook's spec declares, see
+            :func:`~ddp_avg_hooks.averaging_hook`);
             ``check_finite`` (reject a round with nan/inf before writing anything);
             ``verify`` (compare the counter and a checksum of the result across ranks
             after each round); ``process_group`` (the group whose ranks must agree;
@@ -173,21 +116,10 @@ def register_averaging_hook(
         )
     if not callable(hook):
         raise TypeError(f"register_averaging_hook: hook must be callable, got {type(hook).__name__}")
-    if not isinstance(period, PeriodSchedule):
-        _check_int("period", period, 1)
-    _check_int("warmup_steps", warmup_steps, 0)
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
-        raise TypeError(f"bucket_cap_mb must be a number, got {type(bucket_cap_mb).__name__}")
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
-    handle_options, keep_anchor, explicit_group = _options(dict(options), optimizer)
-    validate = hook_attribute(hook, "validate_state")
-    if validate is not None:
-        validate(state)
+    opts = AveragingOptions.from_call(period=period, warmup_steps=warmup_steps,
+                                      bucket_cap_mb=bucket_cap_mb, optimizer=optimizer, **options)
+    spec = hook_spec(hook)
+    spec.validate(state)
 
     ignored = getattr(ddp_model, "parameters_to_ignore", set()) or set()
     params = [
@@ -200,32 +132,22 @@ def register_averaging_hook(
             "register_averaging_hook: the model has no trainable parameters to average "
             "(all have requires_grad=False or are ignored by DDP)"
         )
-    buffers = []
-    if handle_options.average_buffers:
-        warn_redundant_buffer_averaging(ddp_model)
-        buffers = [b for name, b in ddp_model.module.named_buffers()
-                   if b.is_floating_point() and name not in ignored]
-    if keep_anchor is None:
-        keep_anchor = bool(hook_attribute(hook, "needs_anchor", False)) or handle_options.overlap
-    group = _resolve_process_group(state, explicit_group)
+    buckets = assign_buckets(params, bucket_cap_mb,
+                             keep_anchor=opts.wants_anchor(spec.needs_anchor))
+    group = opts.process_group if opts.process_group is not None else group_of_state(state)
+    group = dist.group.WORLD if group is None else group
+    engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite)
+    in_bucket_order = [p for b in buckets for p in b.parameters()]
     handle = AveragingHandle(
         ddp_model,
-        hook,
-        _hook_name(hook),
-        state,
-        assign_buckets(params, bucket_cap_mb, keep_anchor=bool(keep_anchor)),
-        schedule=as_schedule(period),
-        warmup_steps=warmup_steps,
-        process_group=group,
-        options=handle_options,
-        buffers=buffers,
-        bucket_cap_mb=bucket_cap_mb,
+        engine,
+        opts,
+        policies=make_policies(opts, ddp_model, in_bucket_order, ignored),
+        observers=make_observers(opts),
     )
     _agree_across_ranks(handle, group)
-    prepare = hook_attribute(hook, "prepare_bucket")
-    if prepare is not None:
-        for bucket in handle.buckets:
-            prepare(state, bucket)
+    for bucket in buckets:
+        spec.prepare(state, bucket)
     if optimizer is not None:
         handle.attach_optimizer(optimizer)
     return handle

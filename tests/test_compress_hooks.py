@@ -19,17 +19,9 @@ from ddp_avg_hooks.bucket import ParamBucket
 from ddp_avg_hooks.hooks import HalfDeltaState, bf16_compress_hook, fp16_compress_hook
 from ddp_avg_hooks.hooks import compress as compress_module
 
+from ddp_avg_hooks.rounds import run_round as _round
 from _dist import run_ranks
-
-
-def _round(hook, state, buckets: list[ParamBucket]) -> None:
-    """One averaging round, as the registry runs it."""
-    for b in buckets:
-        b.start_round()
-    futs = [hook(state, b) for b in buckets]
-    values = [f.wait() for f in futs]
-    for b, v in zip(buckets, values):
-        b.write_back(v)
+from _helpers import flat as _flat
 
 
 def _half_params_hook(state, bucket):
@@ -38,10 +30,6 @@ def _half_params_hook(state, bucket):
     half = bucket.buffer().div(ws).to(torch.float16)
     fut = dist.all_reduce(half, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0].to(bucket.dtype))
-
-
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params]).clone()
 
 
 # --- small updates at magnitude 20 ----------------------------------------------------------
@@ -219,22 +207,14 @@ def test_training_loss_matches_allreduce_hook():
 
 
 # --- single process (a world_size=1 gloo group) ----------------------------------------------
-@pytest.fixture
-def world1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("hook", [fp16_compress_hook, bf16_compress_hook])
 def test_zero_delta_leaves_parameters_unchanged(world1, hook):
     w = torch.nn.Parameter(torch.full((5, 3), 20.0) + torch.rand(5, 3))
     before = w.detach().clone()
     bucket = ParamBucket(0, [w], is_last=True, keep_anchor=True)
     for state in (None, HalfDeltaState()):
-        _round(hook, state, [bucket])
+        assert _round(hook, state, [bucket]).bytes_sent == 2 * 15  # 2 bytes per element
         assert torch.equal(w.detach(), before)
-    assert bucket.take_bytes_sent() == 2 * 2 * 15  # two rounds, 2 bytes per element
 
 
 def test_state_dict_resumes_bit_for_bit(world1):
@@ -280,14 +260,15 @@ def test_plain_group_state_keeps_error_feedback_in_bucket_memory(world1):
 
 def test_validation_messages():
     with pytest.raises(TypeError, match="fp16_compress_hook: state must be None .* or a HalfDeltaState"):
-        fp16_compress_hook.validate_state(3)
+        dah.hook_spec(fp16_compress_hook).validate(3)
     with pytest.raises(TypeError, match="error_feedback must be True or False"):
         HalfDeltaState(error_feedback=1)
     with pytest.raises(TypeError, match="process_group must be None"):
         HalfDeltaState(process_group="world")
-    fp16_compress_hook.validate_state(None)
-    bf16_compress_hook.validate_state(HalfDeltaState())
-    assert fp16_compress_hook.needs_anchor and bf16_compress_hook.needs_anchor
+    dah.hook_spec(fp16_compress_hook).validate(None)
+    dah.hook_spec(bf16_compress_hook).validate(HalfDeltaState())
+    assert dah.hook_spec(fp16_compress_hook).needs_anchor
+    assert dah.hook_spec(bf16_compress_hook).needs_anchor
 
 
 @pytest.mark.parametrize("which", ["fp16", "powersgd"])

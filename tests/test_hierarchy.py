@@ -8,31 +8,22 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
+from _helpers import flat, make_model as _make_model, train_step
 
 LR = 0.05
 STEPS = 8
 INTRA_PERIOD, GLOBAL_PERIOD = 2, 3  # node rounds after steps 0, 2, 4, 6; global after 0, 3, 6
 
 
+DIMS = (6, 8, 3)
+
+
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    return _make_model(dims=DIMS)
 
 
 def local_step(model, opt, rank, step):
-    x, y = batch(rank, step)
-    opt.zero_grad()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
+    train_step(model, opt, rank, step, n=5, dims=DIMS)
 
 
 def _train(rank, groups, intra_hook, intra_state, global_hook, global_state):

@@ -12,22 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
+from _helpers import flat, loss_of as _loss, make_model
 
 STEPS, CKPT_AT = 10, 4  # rounds after steps 2, 5, 8 (warm-up 2, period 3)
-
-
-def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
 def _setup(wrapped: bool):
@@ -39,11 +26,6 @@ def _setup(wrapped: bool):
     opt = dah.AveragingOptimizer(inner, handle) if wrapped else inner
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     return ddp, opt, handle, sched
-
-
-def _loss(ddp, rank, step):
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(ddp(x), y)
 
 
 def _by_hand(rank):
@@ -98,13 +80,6 @@ def test_wrapper_equals_the_handle_by_hand_schedules_lr_and_resumes_from_its_sta
 
 
 # --- without peers ----------------------------------------------------------------------
-@pytest.fixture
-def world1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_is_a_real_optimizer_sharing_the_inner_state(world1):
     ddp = DDP(make_model())
     inner = torch.optim.Adam(ddp.parameters(), lr=1e-2)

@@ -12,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
+from ddp_avg_hooks.rounds import run_round
+from _helpers import batch, flat, make_model
 
 LR = 0.05
 PERIOD = 3
@@ -19,24 +21,10 @@ STEPS = 7  # rounds after steps 0, 3, 6: the last step ends with a round
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
-
-
 def make_model_like(vector: torch.Tensor) -> list[torch.Tensor]:
     """``vector`` split into tensors shaped like ``make_model()``'s parameters."""
     shapes = [p.shape for p in make_model().parameters()]
     return [t.view(s) for t, s in zip(vector.split([s.numel() for s in shapes]), shapes)]
-
-
-def flat(model) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
 def _train(rank, hook, state, steps, *, momentum=0.0, ckpt_at=None):
@@ -156,13 +144,6 @@ def test_outer_optimizer_on_two_ranks_matches_plain_averaging_and_the_reference(
 
 
 # --- without peers ----------------------------------------------------------------------
-@pytest.fixture
-def world1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_state_and_hook_validation(world1):
     ddp = DDP(make_model())
     hook = dah.hooks.outer_optimizer(dah.hooks.allreduce_hook)
@@ -201,8 +182,7 @@ def test_state_dict_loads_before_the_buckets_exist_and_checks_the_optimizer(worl
         for step in range(steps):
             x, y = batch(0, step)
             opt.zero_grad(); torch.nn.functional.mse_loss(ddp(x), y).backward(); opt.step()
-            bucket.start_round()
-            bucket.write_back(hook(state, bucket).wait())
+            run_round(hook, state, [bucket])
         return flat(ddp.module), state
 
     straight, _ = run(dah.hooks.OuterOptimizerState(), 4)
@@ -224,8 +204,7 @@ def test_state_dict_loads_before_the_buckets_exist_and_checks_the_optimizer(worl
     for step in range(2, 4):
         x, y = batch(0, step)
         opt.zero_grad(); torch.nn.functional.mse_loss(ddp(x), y).backward(); opt.step()
-        bucket.start_round()
-        bucket.write_back(hook(fresh, bucket).wait())
+        run_round(hook, fresh, [bucket])
     assert torch.equal(flat(ddp.module), straight)
     with pytest.raises(ValueError, match="outer optimizer is SGD, this state's Adam"):
         dah.hooks.OuterOptimizerState(None, torch.optim.Adam).load_state_dict(saved)

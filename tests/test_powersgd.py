@@ -14,10 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ddp_avg_hooks as dah
 from ddp_avg_hooks.bucket import ParamBucket, assign_buckets
 from ddp_avg_hooks.hooks import PowerSGDState, powersgd_hook
+from ddp_avg_hooks.rounds import run_round
 
 from _dist import run_ranks
+from _helpers import flat as _flat
 
 SHAPES = [(6, 4), (4, 3, 2, 2), (6,), (), (1, 5), (16, 12)]  # matrix, conv, bias, scalar, row, big
 CAP_MB = 800 / 2**20  # -> buckets [(6,4) .. (1,5)] and [(16,12)]
@@ -28,28 +31,21 @@ def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
 
 
-def _round(state, buckets: list[ParamBucket]) -> None:
-    """One averaging round, as the registry runs it.
+def _round(state, buckets: list[ParamBucket]) -> int:
+    """One averaging round, as the registry runs it; returns the bytes sent.
 
     Like the registry's buffer averaging (or training going on during an overlapped
     round), another collective is issued on the same group before the hooks' futures
     are waited for: the hooks' collectives must not interleave with it differently on
     different ranks.
     """
-    for b in buckets:
-        b.start_round()
-    futs = [powersgd_hook(state, b) for b in buckets]
     other = torch.full((7,), float(dist.get_rank() + 1))
-    other_fut = dist.all_reduce(other, async_op=True).get_future()
-    values = [f.wait() for f in futs]
+    futs = []
+    done = run_round(powersgd_hook, state, buckets,
+                     between=lambda: futs.append(dist.all_reduce(other, async_op=True).get_future()))
     ws = dist.get_world_size()
-    assert torch.equal(other_fut.wait()[0], torch.full((7,), ws * (ws + 1) / 2))
-    for b, v in zip(buckets, values):
-        b.write_back(v)
-
-
-def _flat(params) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    assert torch.equal(futs[0].wait()[0], torch.full((7,), ws * (ws + 1) / 2))
+    return done.bytes_sent
 
 
 def _expected_bytes(rank: int, min_rate: float) -> int:
@@ -101,9 +97,9 @@ def _rounds_on_ranks(rank, *, approx_rank, min_rate, rounds, zero_first):
                         p.add_(torch.randn(p.shape, generator=g), alpha=0.01 * (1 + rank))
             out["pre"].append(_flat(params))
             calls.clear()
-            _round(state, buckets)
+            sent = _round(state, buckets)
             out["post"].append(_flat(params))
-            out["bytes"].append(sum(b.take_bytes_sent() for b in buckets))
+            out["bytes"].append(sent)
             out["calls"].append(len(calls))
     finally:
         dist.all_reduce = real_all_reduce
@@ -145,13 +141,6 @@ def test_full_rank_is_exact_and_low_rank_sends_r_n_plus_m(world_size):
 
 
 # --- single process (a world_size=1 gloo group): state, edge cases ---------------------------
-@pytest.fixture
-def world1():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_zero_delta_keeps_parameters_and_gives_no_nan(world1):
     for rank in (1, 3):
         params = _params()
@@ -175,11 +164,11 @@ def test_conv_and_scalar_parameters(world1):
         conv.add_(0.1)
         scalar.add_(-0.25)
     target = (conv.detach().clone(), scalar.detach().clone())
-    _round(state, [bucket])  # one rank, full rank (4 = min(4, 12)): the "average" is itself
+    sent = _round(state, [bucket])  # one rank, full rank (4 = min(4, 12)): the "average" is itself
     assert conv.shape == (4, 3, 2, 2) and scalar.dim() == 0
     torch.testing.assert_close(conv.detach(), target[0], rtol=0, atol=1e-6)
     assert scalar.item() == 2.25
-    assert bucket.take_bytes_sent() == 4 * (4 * (4 + 12) + 1)
+    assert sent == 4 * (4 * (4 + 12) + 1)
     assert state._memory[0].layout.matrices[0][1:4] == (4, 12, 4)
 
 
@@ -251,7 +240,7 @@ def test_validation_messages():
     with pytest.raises(TypeError, match="process_group must be None"):
         PowerSGDState(process_group="world")
     with pytest.raises(TypeError, match="powersgd_hook: state must be a PowerSGDState"):
-        powersgd_hook.validate_state(None)
+        dah.hook_spec(powersgd_hook).validate(None)
 
 
 def test_state_pickles_without_its_process_group():

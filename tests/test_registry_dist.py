@@ -10,33 +10,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
+from _helpers import batch, loss_of, make_model, params_of, train_step
 
 LR = 0.05
 
-
-def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
-
-
-def loss_of(model, rank, step):
-    x, y = batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def params_of(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def train_step(model, opt, rank, step):
-    opt.zero_grad()
-    loss_of(model, rank, step).backward()
-    opt.step()
 
 
 # --- period 1 == DDP gradient averaging ----------------------------------------------

@@ -12,29 +12,24 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
+from _helpers import batch as _batch, make_model as _make_model, params_of, train_step as _train_step
 
 LR = 0.05
 
 
+DIMS = (6, 12, 4)
+
+
 def make_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 4))
+    return _make_model(seed, dims=DIMS)
 
 
 def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+    return _batch(rank, step, n=8, dims=DIMS)
 
 
 def train_step(ddp, opt, rank, step):
-    opt.zero_grad()
-    x, y = batch(rank, step)
-    torch.nn.functional.mse_loss(ddp(x), y).backward()
-    opt.step()
-
-
-def params_of(model):
-    return [p.detach().clone() for p in model.parameters()]
+    _train_step(ddp, opt, rank, step, n=8, dims=DIMS)
 
 
 # --- checkpoint / resume --------------------------------------------------------------

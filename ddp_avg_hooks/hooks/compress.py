@@ -46,8 +46,12 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from ..bucket import ParamBucket, needs_anchor
-from ._comm import completed, is_member, resolve_group
+from .._checks import check_bool
+from .._groups import check_group, is_member, or_world
+from ..bucket import ParamBucket
+from ..protocol import averaging_hook
+from ._comm import completed
+from ._per_bucket import PerBucket
 
 
 class _Residual:
@@ -73,6 +77,12 @@ class _Residual:
 # which handle.state_dict() saves; this weak table only caches each bucket's send buffer.
 _MEMORY_KEY = "half_residual"
 _SEND_BUFFERS: weakref.WeakKeyDictionary[ParamBucket, _Residual] = weakref.WeakKeyDictionary()
+
+
+def _load_residual(mem: _Residual, saved: torch.Tensor) -> None:
+    if mem.residual.numel() != saved.numel():
+        raise ValueError(f"it holds {mem.residual.numel()} elements, the checkpoint {saved.numel()}")
+    mem.residual.copy_(saved)
 
 
 class HalfDeltaState:
@@ -102,62 +112,29 @@ class HalfDeltaState:
     __slots__ = ("process_group", "error_feedback", "_residuals")
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = True) -> None:
-        try:
-            resolve_group(process_group, "HalfDeltaState")
-        except TypeError:
-            raise TypeError(
-                "HalfDeltaState: process_group must be None (the default group) or a "
-                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}"
-            ) from None
-        if not isinstance(error_feedback, bool):
-            raise TypeError(
-                f"HalfDeltaState: error_feedback must be True or False, got {error_feedback!r}"
-            )
-        self.process_group = process_group
-        self.error_feedback = error_feedback
-        self._residuals: dict[int, _Residual] = {}
+        self.process_group = check_group(process_group, "HalfDeltaState")
+        self.error_feedback = check_bool("error_feedback", error_feedback, owner="HalfDeltaState")
+        self._residuals: PerBucket[_Residual] = PerBucket(
+            "HalfDeltaState", create=_Residual.zeros, save=lambda m: m.residual.clone(),
+            load=_load_residual, numel=lambda m: m.residual.numel())
 
     def _memory(self, bucket: ParamBucket) -> _Residual:
-        mem = self._residuals.get(bucket.index())
-        if mem is None:
-            mem = self._residuals[bucket.index()] = _Residual.zeros(bucket)
-        elif mem.residual.numel() != bucket.numel():
-            raise ValueError(
-                f"HalfDeltaState: bucket {bucket.index()} has {bucket.numel()} elements but "
-                f"the state holds a residual of {mem.residual.numel()}; use one state per "
-                "registration (and load checkpoints saved with the same model)"
-            )
-        elif (mem.residual.device, mem.residual.dtype) != (bucket.device, bucket.dtype):
-            mem.residual = mem.residual.to(device=bucket.device, dtype=bucket.dtype)
-        return mem
+        return self._residuals.get(bucket)
 
     def state_dict(self) -> dict:
         """This rank's residuals (``bucket.index() -> tensor``) and the option."""
-        return {
-            "error_feedback": self.error_feedback,
-            "residuals": {i: m.residual.clone() for i, m in sorted(self._residuals.items())},
-        }
+        return {"error_feedback": self.error_feedback, "residuals": self._residuals.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore residuals saved by :meth:`state_dict` (before or after the first round)."""
-        self.error_feedback = bool(state_dict.get("error_feedback", self.error_feedback))
-        for index, residual in state_dict.get("residuals", {}).items():
-            mem = self._residuals.get(int(index))
-            if mem is None:  # before the first round: adopted on first use
-                self._residuals[int(index)] = _Residual(residual.detach().clone())
-            elif mem.residual.numel() != residual.numel():
-                raise ValueError(
-                    f"HalfDeltaState.load_state_dict: bucket {index} holds "
-                    f"{mem.residual.numel()} elements, the checkpoint {residual.numel()}"
-                )
-            else:
-                mem.residual.copy_(residual)
+        self.error_feedback = bool(state_dict["error_feedback"])
+        self._residuals.load_state_dict(state_dict["residuals"])
 
     def __getstate__(self) -> dict:  # process groups do not pickle
-        return {"error_feedback": self.error_feedback, "residuals": self.state_dict()["residuals"]}
+        return self.state_dict()
 
     def __setstate__(self, s: dict) -> None:
-        self.process_group, self.error_feedback, self._residuals = None, s["error_feedback"], {}
+        self.__init__(None, s["error_feedback"])
         self.load_state_dict(s)
 
     def __repr__(self) -> str:
@@ -167,12 +144,12 @@ class HalfDeltaState:
         )
 
 
-def _group_and_memory(state, bucket: ParamBucket, name: str):
+def _group_and_memory(state, bucket: ParamBucket, half_dtype: torch.dtype):
     """(group, residual memory or None) for a hook call."""
     if isinstance(state, HalfDeltaState):
-        group = state.process_group if state.process_group is not None else dist.group.WORLD
-        return group, (state._memory(bucket) if state.error_feedback else None)
-    return resolve_group(state, name), _bucket_residual(bucket)
+        return or_world(state.process_group), (state._memory(bucket) if state.error_feedback else None)
+    _VALIDATORS[half_dtype](state)
+    return or_world(state), _bucket_residual(bucket)
 
 
 def _bucket_residual(bucket: ParamBucket) -> _Residual:
@@ -196,6 +173,19 @@ def _prepare_bucket(state, bucket: ParamBucket) -> None:
         _bucket_residual(bucket)
 
 
+def _validator(name: str):
+    def validate_state(state) -> None:
+        if not isinstance(state, HalfDeltaState):
+            check_group(state, name, what="state",
+                        also="a HalfDeltaState(process_group=..., error_feedback=...)")
+
+    return validate_state
+
+
+_VALIDATORS = {torch.float16: _validator("fp16_compress_hook"),
+               torch.bfloat16: _validator("bf16_compress_hook")}
+
+
 def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out <- a - half`` (``half`` in fp16/bf16): the result of ``torch.sub(a, half, out=out)``.
 
@@ -209,8 +199,8 @@ def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tenso
     return torch.sub(a, half, out=out)
 
 
-def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype, name: str) -> torch.futures.Future:
-    group, mem = _group_and_memory(state, bucket, name)
+def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> torch.futures.Future:
+    group, mem = _group_and_memory(state, bucket, half_dtype)
     if not is_member(group):
         return completed(bucket.buffer())
     scale = 1.0 / dist.get_world_size(group)
@@ -231,22 +221,8 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype, name: 
     return fut.then(_decompress)
 
 
-def _validate(name: str):
-    def validate_state(state) -> None:
-        if not isinstance(state, HalfDeltaState):
-            try:
-                resolve_group(state, name)
-            except TypeError:
-                raise TypeError(
-                    f"{name}: state must be None (the default group), a "
-                    "torch.distributed.ProcessGroup or a HalfDeltaState(process_group=..., "
-                    f"error_feedback=...), got {type(state).__name__}"
-                ) from None
-
-    return validate_state
-
-
-@needs_anchor
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.float16],
+                prepare_bucket=_prepare_bucket)
 def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as float16.
 
@@ -274,10 +250,11 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         ([True, False, True], 40)
         >>> handle.remove(); dist.destroy_process_group()
     """
-    return _half_delta_hook(state, bucket, torch.float16, "fp16_compress_hook")
+    return _half_delta_hook(state, bucket, torch.float16)
 
 
-@needs_anchor
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.bfloat16],
+                prepare_bucket=_prepare_bucket)
 def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as bfloat16.
 
@@ -302,10 +279,4 @@ def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         (True, 20)
         >>> handle.remove(); dist.destroy_process_group()
     """
-    return _half_delta_hook(state, bucket, torch.bfloat16, "bf16_compress_hook")
-
-
-fp16_compress_hook.validate_state = _validate("fp16_compress_hook")
-bf16_compress_hook.validate_state = _validate("bf16_compress_hook")
-fp16_compress_hook.prepare_bucket = _prepare_bucket
-bf16_compress_hook.prepare_bucket = _prepare_bucket
+    return _half_delta_hook(state, bucket, torch.bfloat16)

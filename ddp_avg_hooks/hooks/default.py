@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import torch
-
-from ..bucket import ParamBucket
 import torch.distributed as dist
 
-from ._comm import allreduce_sum_fut, completed, is_member, resolve_group
+from .._groups import check_group, is_member, or_world
+from ..bucket import ParamBucket
+from ..protocol import averaging_hook
+from ._comm import allreduce_sum_fut, completed
 
 
+def _group(state) -> dist.ProcessGroup:
+    return or_world(check_group(state, "allreduce_hook", what="state"))
+
+
+@averaging_hook(validate_state=_group)
 def allreduce_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the bucket's parameters exactly: ``new = sum_r(params_r / world_size)``.
 
@@ -34,20 +40,13 @@ def allreduce_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         [True, False, True, False]
         >>> handle.remove(); dist.destroy_process_group()
     """
-    group = resolve_group(state, "allreduce_hook")
+    group = _group(state)
     if not is_member(group):
         return completed(bucket.buffer())
     world_size = dist.get_world_size(group)
     if world_size & (world_size - 1) == 0:
         # 1/world_size is exact: fuse the division into the copy, bit-identical to dividing
-        buffer = bucket.scaled_buffer(1.0 / world_size)
+        buffer = bucket._scaled_buffer(1.0 / world_size)
     else:
         buffer = bucket.buffer().div_(world_size)
     return allreduce_sum_fut(group, buffer, bucket)
-
-
-def _validate_allreduce_state(state) -> None:
-    resolve_group(state, "allreduce_hook")
-
-
-allreduce_hook.validate_state = _validate_allreduce_state

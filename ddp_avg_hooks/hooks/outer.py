@@ -52,31 +52,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..bucket import ParamBucket, hook_attribute
-from ._comm import is_group, is_member
+from .._groups import group_of_state, is_member, or_world
+from ..bucket import ParamBucket
+from ..protocol import HookSpec, SPEC_ATTRIBUTE, hook_name, hook_spec
+from ._per_bucket import PerBucket, clone_tree
 
 #: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al., 2023).
 DILOCO_DEFAULTS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-
-
-def _clone_tree(obj):
-    """A copy of a state-dict tree with every tensor cloned (no aliasing either way)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone_tree(v) for v in obj)
-    return obj
-
-
-def _hook_name(hook) -> str:
-    inner = hook
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    name = getattr(inner, "__qualname__", None) or type(inner).__name__
-    module = getattr(inner, "__module__", None)
-    return f"{module}.{name}" if module else name
 
 
 class _BucketOuter:
@@ -125,8 +107,7 @@ class OuterOptimizerState:
         ValueError: OuterOptimizerState: the outer optimizer rejects its options: Invalid ... -1.0
     """
 
-    __slots__ = ("inner_state", "optimizer_name", "optimizer_kwargs", "_factory", "_buckets",
-                 "_pending")
+    __slots__ = ("inner_state", "optimizer_name", "optimizer_kwargs", "_factory", "_buckets")
 
     def __init__(self, inner_state=None, optimizer=None, **optimizer_kwargs) -> None:
         if optimizer is None:
@@ -168,21 +149,20 @@ class OuterOptimizerState:
         self.optimizer_name = name or type(probe).__name__
         self.optimizer_kwargs = kwargs
         self._factory: Callable = factory
-        self._buckets: dict[int, _BucketOuter] = {}
-        self._pending: dict[int, dict] = {}
+        self._buckets: PerBucket[_BucketOuter] = PerBucket(
+            "OuterOptimizerState", create=self._create, numel=lambda o: o.param.numel(),
+            save=lambda o: clone_tree(o.optimizer.state_dict()),
+            load=lambda o, entry: o.optimizer.load_state_dict(clone_tree(entry)))
 
     @property
     def process_group(self):
         """The inner state's process group (``None``: the default group)."""
-        if is_group(self.inner_state):
-            return self.inner_state
-        group = getattr(self.inner_state, "process_group", None)
-        return group if is_group(group) else None
+        return group_of_state(self.inner_state)
 
     @property
     def optimizers(self) -> dict[int, torch.optim.Optimizer]:
         """The outer optimizer of every prepared bucket, by ``bucket.index()``."""
-        return {i: b.optimizer for i, b in sorted(self._buckets.items())}
+        return {i: b.optimizer for i, b in self._buckets.items()}
 
     def prepare(self, bucket: ParamBucket) -> None:
         """Create ``bucket``'s outer parameter and optimizer now (idempotent).
@@ -192,37 +172,23 @@ class OuterOptimizerState:
         self._outer(bucket)
 
     def _outer(self, bucket: ParamBucket) -> _BucketOuter:
-        outer = self._buckets.get(bucket.index())
-        if outer is not None:
-            if outer.param.numel() != bucket.numel():
-                raise ValueError(
-                    f"OuterOptimizerState: bucket {bucket.index()} has {bucket.numel()} "
-                    f"elements but its outer parameter {outer.param.numel()}; use one "
-                    "OuterOptimizerState per registration"
-                )
-            return outer
+        return self._buckets.get(bucket)
+
+    def _create(self, bucket: ParamBucket) -> _BucketOuter:
         param = bucket.anchor().detach().clone()
-        optimizer = self._factory([param])
-        pending = self._pending.pop(bucket.index(), None)
-        if pending is not None:
-            optimizer.load_state_dict(_clone_tree(pending))
-        outer = self._buckets[bucket.index()] = _BucketOuter(param, optimizer)
-        return outer
+        return _BucketOuter(param, self._factory([param]))
 
     # --- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Outer optimizer state per bucket index (cloned) and the inner state's, if any."""
-        buckets = {i: _clone_tree(p) for i, p in self._pending.items()}
-        for i, outer in self._buckets.items():
-            buckets[i] = _clone_tree(outer.optimizer.state_dict())
-        out = {"optimizer": self.optimizer_name, "buckets": dict(sorted(buckets.items()))}
+        out = {"optimizer": self.optimizer_name, "buckets": self._buckets.state_dict()}
         if hasattr(self.inner_state, "state_dict"):
             out["inner"] = self.inner_state.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved (before or after the first round)."""
-        saved = state_dict.get("optimizer", self.optimizer_name)
+        saved = state_dict["optimizer"]
         if saved != self.optimizer_name:
             raise ValueError(
                 f"OuterOptimizerState.load_state_dict: the checkpoint's outer optimizer is "
@@ -237,12 +203,7 @@ class OuterOptimizerState:
             )
         if has_inner:
             self.inner_state.load_state_dict(state_dict["inner"])
-        for index, entry in state_dict.get("buckets", {}).items():
-            outer = self._buckets.get(int(index))
-            if outer is None:
-                self._pending[int(index)] = _clone_tree(entry)
-            else:
-                outer.optimizer.load_state_dict(_clone_tree(entry))
+        self._buckets.load_state_dict(state_dict["buckets"])
 
     def __repr__(self) -> str:
         kwargs = ", ".join(f"{k}={v!r}" for k, v in self.optimizer_kwargs.items())
@@ -301,13 +262,13 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
         raise TypeError(
             f"outer_optimizer: inner_hook must be callable, got {type(inner_hook).__name__}"
         )
-    name = f"outer_optimizer({_hook_name(inner_hook)})"
+    name = f"outer_optimizer({hook_name(inner_hook)})"
+    inner_spec = hook_spec(inner_hook)
 
     def hook(state: OuterOptimizerState, bucket: ParamBucket) -> torch.futures.Future:
         _check_state(state, name)
         inner_fut = inner_hook(state.inner_state, bucket)
-        group = state.process_group
-        if not is_member(dist.group.WORLD if group is None else group):
+        if not is_member(or_world(state.process_group)):
             return inner_fut  # not averaging here: leave the parameters alone
         outer = state._outer(bucket)
         anchor, scratch = bucket.anchor(), bucket.workspace()
@@ -329,20 +290,14 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
 
     def validate_state(state) -> None:
         _check_state(state, name)
-        validate = hook_attribute(inner_hook, "validate_state")
-        if validate is not None:
-            validate(state.inner_state)
+        inner_spec.validate(state.inner_state)
 
     def prepare_bucket(state, bucket: ParamBucket) -> None:
-        prepare = hook_attribute(inner_hook, "prepare_bucket")
-        if prepare is not None:
-            prepare(state.inner_state, bucket)
+        inner_spec.prepare(state.inner_state, bucket)
         state.prepare(bucket)
 
     hook.__name__ = hook.__qualname__ = name
     hook.__doc__ = f"{name}: see :func:`ddp_avg_hooks.hooks.outer_optimizer`."
-    hook.inner_hook = inner_hook
-    hook.needs_anchor = True
-    hook.validate_state = validate_state
-    hook.prepare_bucket = prepare_bucket
+    setattr(hook, SPEC_ATTRIBUTE, HookSpec(needs_anchor=True, validate_state=validate_state,
+                                           prepare_bucket=prepare_bucket))
     return hook

@@ -45,20 +45,14 @@ from numbers import Real
 import torch
 import torch.distributed as dist
 
-from ..bucket import ParamBucket, needs_anchor
-from ._comm import completed, is_member, resolve_group
+from .._checks import check_bool, check_int
+from .._groups import check_group, is_member, or_world
+from ..bucket import ParamBucket
+from ..protocol import averaging_hook
+from ._comm import completed
+from ._per_bucket import PerBucket
 
-
-def _check_int(name: str, value, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"PowerSGDState: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"PowerSGDState: {name} must be >= {minimum}, got {value}; {fix}")
-
-
-def _check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"PowerSGDState: {name} must be True or False, got {value!r}")
+_OWNER = "PowerSGDState"
 
 
 class _Layout:
@@ -98,9 +92,10 @@ class _Layout:
 class _BucketMemory:
     """Per-bucket buffers: factors, warm-start Q, its seed draw, error feedback."""
 
-    __slots__ = ("layout", "p", "q", "q_local", "q_init", "residual")
+    __slots__ = ("numel", "layout", "p", "q", "q_local", "q_init", "residual")
 
     def __init__(self, state: PowerSGDState, bucket: ParamBucket) -> None:
+        self.numel = bucket.numel()
         dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
         self.layout = _Layout(bucket, state.matrix_approximation_rank, state.min_compression_rate)
         dev = bucket.device
@@ -111,6 +106,24 @@ class _BucketMemory:
         self.residual = (
             torch.zeros(bucket.numel(), dtype=dtype, device=dev) if state.use_error_feedback else None
         )
+
+
+def _save_bucket(mem: _BucketMemory) -> dict:
+    entry = {"q": mem.q.clone()}
+    if mem.residual is not None:
+        entry["residual"] = mem.residual.clone()
+    return entry
+
+
+def _load_bucket(mem: _BucketMemory, entry: dict) -> None:
+    for name in ("q", "residual"):
+        mine, saved = getattr(mem, name), entry.get(name)
+        if mine is None or saved is None:
+            continue
+        if mine.numel() != saved.numel():
+            raise ValueError(f"{name} has {mine.numel()} elements here and {saved.numel()} "
+                             "in the checkpoint")
+        mine.copy_(saved)
 
 
 class PowerSGDState:
@@ -162,7 +175,6 @@ class PowerSGDState:
         # internal state
         "round",
         "_memory",
-        "_pending",
     )
 
     def __init__(
@@ -176,17 +188,11 @@ class PowerSGDState:
         orthogonalization_epsilon: float = 1e-30,
         seed: int = 0,
     ) -> None:
-        try:
-            resolve_group(process_group, "PowerSGDState")
-        except TypeError:
-            raise TypeError(
-                "PowerSGDState: process_group must be None (the default group) or a "
-                f"torch.distributed.ProcessGroup, got {type(process_group).__name__}"
-            ) from None
-        _check_int("matrix_approximation_rank", matrix_approximation_rank, 1,
-                   "rank 1 sends the least; try 1 to 4")
-        _check_int("start_powersgd_round", start_powersgd_round, 0,
-                   "0 compresses from the first round")
+        check_group(process_group, _OWNER)
+        check_int("matrix_approximation_rank", matrix_approximation_rank, 1, owner=_OWNER,
+                  fix="rank 1 sends the least; try 1 to 4")
+        check_int("start_powersgd_round", start_powersgd_round, 0, owner=_OWNER,
+                  fix="0 compresses from the first round")
         if isinstance(min_compression_rate, bool) or not isinstance(min_compression_rate, Real):
             raise TypeError(
                 "PowerSGDState: min_compression_rate must be a number, got "
@@ -197,8 +203,8 @@ class PowerSGDState:
                 f"PowerSGDState: min_compression_rate must be finite and >= 0, got "
                 f"{min_compression_rate}; 0 compresses every matrix, 2.0 is the default"
             )
-        _check_bool("use_error_feedback", use_error_feedback)
-        _check_bool("warm_start", warm_start)
+        check_bool("use_error_feedback", use_error_feedback, owner=_OWNER)
+        check_bool("warm_start", warm_start, owner=_OWNER)
         if isinstance(orthogonalization_epsilon, bool) or not isinstance(orthogonalization_epsilon, Real):
             raise TypeError(
                 "PowerSGDState: orthogonalization_epsilon must be a number, got "
@@ -209,7 +215,7 @@ class PowerSGDState:
                 "PowerSGDState: orthogonalization_epsilon must be > 0 (an all-zero delta "
                 "would divide 0 by 0); leave the default (1e-30) or pass e.g. 1e-8"
             )
-        _check_int("seed", seed, 0, "pass the same non-negative seed on every rank")
+        check_int("seed", seed, 0, owner=_OWNER, fix="pass the same non-negative seed on every rank")
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powersgd_round = start_powersgd_round
@@ -219,8 +225,9 @@ class PowerSGDState:
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.seed = seed
         self.round = 0
-        self._memory: dict[int, _BucketMemory] = {}
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._memory: PerBucket[_BucketMemory] = PerBucket(
+            _OWNER, create=lambda bucket: _BucketMemory(self, bucket), save=_save_bucket,
+            load=_load_bucket, numel=lambda mem: mem.numel)
 
     # --- randomness ---------------------------------------------------------------------
     def _draw_q(self, numel: int, bucket_index: int, round_: int | None, dtype, device) -> torch.Tensor:
@@ -231,64 +238,27 @@ class PowerSGDState:
         return torch.randn(numel, generator=gen, dtype=dtype).to(device)
 
     def _bucket_memory(self, bucket: ParamBucket) -> _BucketMemory:
-        mem = self._memory.get(bucket.index())
-        if mem is None:
-            mem = self._memory[bucket.index()] = _BucketMemory(self, bucket)
-            pending = self._pending.pop(bucket.index(), None)
-            if pending is not None:
-                self._load_bucket(bucket.index(), mem, pending)
-        elif mem.residual is not None and mem.residual.numel() != bucket.numel():
-            raise ValueError(
-                f"PowerSGDState: bucket {bucket.index()} has {bucket.numel()} elements but "
-                f"the state's memory holds {mem.residual.numel()}; use one PowerSGDState "
-                "per registration"
-            )
-        return mem
+        return self._memory.get(bucket)
 
     # --- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The round counter, this rank's error feedback and ``Q`` per bucket index."""
-        buckets = {i: dict(p) for i, p in self._pending.items()}
-        for i, mem in self._memory.items():
-            entry = {"q": mem.q.clone()}
-            if mem.residual is not None:
-                entry["residual"] = mem.residual.clone()
-            buckets[i] = entry
         return {
             "round": self.round,
             "matrix_approximation_rank": self.matrix_approximation_rank,
-            "buckets": dict(sorted(buckets.items())),
+            "buckets": self._memory.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved (before or after the first round)."""
-        saved_rank = state_dict.get("matrix_approximation_rank", self.matrix_approximation_rank)
+        saved_rank = state_dict["matrix_approximation_rank"]
         if saved_rank != self.matrix_approximation_rank:
             raise ValueError(
                 f"PowerSGDState.load_state_dict: the checkpoint has matrix_approximation_rank="
                 f"{saved_rank}, this state {self.matrix_approximation_rank}; use the same rank"
             )
         self.round = int(state_dict["round"])
-        for index, entry in state_dict.get("buckets", {}).items():
-            mem = self._memory.get(int(index))
-            if mem is None:
-                self._pending[int(index)] = {k: v.detach().clone() for k, v in entry.items()}
-            else:
-                self._load_bucket(int(index), mem, entry)
-
-    @staticmethod
-    def _load_bucket(index: int, mem: _BucketMemory, entry: dict) -> None:
-        for name in ("q", "residual"):
-            mine, saved = getattr(mem, name), entry.get(name)
-            if mine is None or saved is None:
-                continue
-            if mine.numel() != saved.numel():
-                raise ValueError(
-                    f"PowerSGDState.load_state_dict: bucket {index} {name} has "
-                    f"{mine.numel()} elements here and {saved.numel()} in the checkpoint; "
-                    "register the same model with the same options to resume"
-                )
-            mine.copy_(saved)
+        self._memory.load_state_dict(state_dict["buckets"])
 
     def __getstate__(self) -> dict:  # process groups do not pickle
         options = {k: getattr(self, k) for k in self.__slots__[1:8]}
@@ -311,7 +281,22 @@ def _orthonormalize_rows_(pt: torch.Tensor, epsilon: float) -> None:
         pt.copy_(torch.linalg.qr(pt.t()).Q.t())
 
 
-@needs_anchor
+def _validate_state(state) -> None:
+    if not isinstance(state, PowerSGDState):
+        raise TypeError(
+            "powersgd_hook: state must be a PowerSGDState, e.g. "
+            "PowerSGDState(process_group=None, matrix_approximation_rank=4), "
+            f"got {type(state).__name__}"
+        )
+
+
+def _prepare_bucket(state: PowerSGDState, bucket: ParamBucket) -> None:
+    """Create the bucket's memory at registration (a fresh handle's ``state_dict()``
+    then has the structure a checkpoint loads into, as torch.distributed.checkpoint needs)."""
+    state._bucket_memory(bucket)
+
+
+@averaging_hook(needs_anchor=True, validate_state=_validate_state, prepare_bucket=_prepare_bucket)
 def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change with PowerSGD (low rank, error feedback, warm start).
 
@@ -345,7 +330,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
     """
     if not isinstance(state, PowerSGDState):
         _validate_state(state)
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    group = or_world(state.process_group)
     if not is_member(group):
         return completed(bucket.buffer())
     round_ = state.round
@@ -418,24 +403,3 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         return out
 
     return dist.all_reduce(q_all, group=group, async_op=True).get_future().then(finish)
-
-
-def _validate_state(state) -> None:
-    if not isinstance(state, PowerSGDState):
-        raise TypeError(
-            "powersgd_hook: state must be a PowerSGDState, e.g. "
-            "PowerSGDState(process_group=None, matrix_approximation_rank=4), "
-            f"got {type(state).__name__}"
-        )
-
-
-powersgd_hook.validate_state = _validate_state
-
-
-def _prepare_bucket(state: PowerSGDState, bucket: ParamBucket) -> None:
-    """Create the bucket's memory at registration (a fresh handle's ``state_dict()``
-    then has the structure a checkpoint loads into, as torch.distributed.checkpoint needs)."""
-    state._bucket_memory(bucket)
-
-
-powersgd_hook.prepare_bucket = _prepare_bucket

@@ -1,0 +1,127 @@
+"""Round observers: what looks at a finished round without changing it.
+
+* :class:`ConsensusTracker` (``track_consensus=True``): the replicas' mean squared
+  distance from their average, ``stats.consensus_distance``;
+* :class:`AgreementCheck` (``verify=True``): the step counter and an exact checksum of
+  every bucket, compared across ranks;
+* :class:`RoundCallback` (``on_round=fn``): ``fn(handle)`` on every rank.
+
+An observer measures locally before the write-back (:meth:`RoundObserver.measure`) and
+reports after the round (:meth:`RoundObserver.report`). A *collective* observer's
+report talks to the other ranks; after an overlapped round, which ranks apply at
+different steps, the handle runs it at the next step all ranks share (the next round).
+
+Example:
+    >>> from ddp_avg_hooks.observers import make_observers
+    >>> from ddp_avg_hooks.options import AveragingOptions
+    >>> [type(o).__name__ for o in make_observers(AveragingOptions(verify=True))]
+    ['AgreementCheck']
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._groups import is_member
+from .rounds import AveragingHookError
+
+
+class RoundObserver:
+    """Base class: measures nothing, reports nothing."""
+
+    collective = False
+
+    def measure(self, buckets, finished):
+        """A local measurement of the collected round, before its write-back."""
+        return None
+
+    def report(self, handle, round_number: int, measured) -> None:
+        """After the round (collective observers: at a step every rank shares)."""
+
+
+class ConsensusTracker(RoundObserver):
+    """``stats.consensus_distance``: mean over ranks of ``||params_r - average||^2``."""
+
+    collective = True
+
+    def measure(self, buckets, finished):
+        return sum((b._squared_distance(v, from_launch=finished.overlapped).cpu()
+                    for b, v in zip(buckets, finished.results)),
+                   torch.zeros((), dtype=torch.float64))
+
+    def report(self, handle, round_number: int, measured) -> None:
+        group = handle.process_group
+        if not is_member(group):
+            return
+        total = measured.reshape(1).to(handle.buckets[0].device)
+        dist.all_reduce(total, group=group)
+        handle.stats.consensus_distance = float(total) / dist.get_world_size(group)
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """Order-independent exact checksum of ``t``'s bits (the same on any thread count)."""
+    int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(int_type).sum(dtype=torch.int64)
+
+
+class AgreementCheck(RoundObserver):
+    """Compare the step counter and an exact checksum of every bucket across ranks.
+
+    With overlapped rounds the replicas agree on the anchor, not the parameters, so the
+    anchors are compared.
+    """
+
+    collective = True
+
+    def __init__(self, overlap: bool) -> None:
+        self._overlap = overlap
+
+    def report(self, handle, round_number: int, measured) -> None:
+        group = handle.process_group
+        if not is_member(group):
+            return
+        buckets = handle.buckets
+        sums = [_checksum(b.anchor() if self._overlap and b._has_anchor()
+                          else b._load_parameters()).cpu() for b in buckets]
+        local = torch.stack([torch.tensor(handle.step_count, dtype=torch.int64), *sums])
+        if dist.get_backend(group) == "nccl":
+            local = local.to(buckets[0].device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        name = handle.hook_name
+        for rank, other in enumerate(gathered):
+            if other[0] != gathered[0][0]:
+                raise AveragingHookError(
+                    f"verify=True: step counters differ after round {round_number} of "
+                    f"{name!r}: group rank 0 is at step {int(gathered[0][0])}, "
+                    f"group rank {rank} at {int(other[0])} (was a step skipped on one rank?)"
+                )
+            diff = (other[1:] != gathered[0][1:]).nonzero()
+            if len(diff):
+                raise AveragingHookError(
+                    f"verify=True: after round {round_number} of {name!r}, "
+                    f"bucket {int(diff[0])} differs between group ranks 0 and {rank}"
+                )
+
+
+class RoundCallback(RoundObserver):
+    """``fn(handle)`` after every round, on every rank."""
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    def report(self, handle, round_number: int, measured) -> None:
+        self._fn(handle)
+
+
+def make_observers(options) -> list[RoundObserver]:
+    """The observers ``options`` asks for, in the order they report."""
+    observers: list[RoundObserver] = []
+    if options.track_consensus:
+        observers.append(ConsensusTracker())
+    if options.verify:
+        observers.append(AgreementCheck(options.overlap))
+    if options.on_round is not None:
+        observers.append(RoundCallback(options.on_round))
+    return observers

@@ -1,0 +1,107 @@
+"""``AveragingOptions``: every setting of a registration, checked in one place.
+
+:func:`~ddp_avg_hooks.register_averaging_hook` builds one from its arguments; nothing
+else reads or checks them.
+
+Example:
+    >>> from ddp_avg_hooks.options import AveragingOptions
+    >>> AveragingOptions(period=4, overlap=True).wants_anchor(hook_needs_anchor=False)
+    True
+    >>> AveragingOptions(optimizer_state="average")
+    Traceback (most recent call last):
+    ...
+    ValueError: optimizer_state='average' needs the optimizer: pass optimizer=... as well
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from ._checks import check_bool, check_int
+from ._groups import is_group
+from .schedules import PeriodSchedule, as_schedule
+
+OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
+_FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers")
+
+
+@dataclasses.dataclass
+class AveragingOptions:
+    """The arguments of :func:`~ddp_avg_hooks.register_averaging_hook`, validated.
+
+    ``schedule`` is ``period`` as a schedule object.
+    """
+
+    period: int | PeriodSchedule = 1
+    warmup_steps: int = 0
+    bucket_cap_mb: float = 25.0
+    optimizer: torch.optim.Optimizer | None = None
+    keep_anchor: bool | None = None
+    process_group: object = None
+    check_finite: bool = False
+    verify: bool = False
+    overlap: bool = False
+    track_consensus: bool = False
+    average_buffers: bool = False
+    optimizer_state: str = "keep"
+    on_round: Callable | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.period, PeriodSchedule):
+            check_int("period", self.period, 1)
+        check_int("warmup_steps", self.warmup_steps, 0)
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)):
+            raise TypeError(f"bucket_cap_mb must be a number, got {type(cap).__name__}")
+        if not cap > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {cap}")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer or None, got "
+                f"{type(self.optimizer).__name__}"
+            )
+        if self.process_group is not None and not is_group(self.process_group):
+            raise TypeError(
+                "process_group must be a torch.distributed.ProcessGroup, got "
+                f"{type(self.process_group).__name__}"
+            )
+        for flag in _FLAGS:
+            check_bool(flag, getattr(self, flag))
+        if self.keep_anchor is not None:
+            check_bool("keep_anchor", self.keep_anchor)
+        if self.optimizer_state not in OPTIMIZER_STATE_POLICIES:
+            raise ValueError(
+                f"optimizer_state must be one of {OPTIMIZER_STATE_POLICIES}, "
+                f"got {self.optimizer_state!r}"
+            )
+        if self.optimizer_state != "keep" and self.optimizer is None:
+            raise ValueError(
+                f"optimizer_state={self.optimizer_state!r} needs the optimizer: "
+                "pass optimizer=... as well"
+            )
+        if self.on_round is not None and not callable(self.on_round):
+            raise TypeError(
+                f"on_round must be callable(handle), got {type(self.on_round).__name__}"
+            )
+        self.schedule = as_schedule(self.period)
+
+    def wants_anchor(self, hook_needs_anchor: bool) -> bool:
+        """Whether buckets keep anchors: ``keep_anchor`` if given, else when the hook
+        declares ``needs_anchor`` or rounds overlap (the late correction needs one)."""
+        if self.keep_anchor is not None:
+            return self.keep_anchor
+        return hook_needs_anchor or self.overlap
+
+    @classmethod
+    def from_call(cls, **arguments) -> AveragingOptions:
+        """Build from keyword arguments; an unknown name is a ``TypeError`` listing the known."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(arguments) - set(known))
+        if unknown:
+            raise TypeError(
+                f"register_averaging_hook: unknown option(s) {unknown}; accepted: {known}"
+            )
+        return cls(**arguments)

@@ -1,0 +1,197 @@
+"""The round engine: launch a hook on every bucket, check what comes back, write it back.
+
+One round, in order:
+
+1. **launch**: for each bucket, mark its buffer stale, snapshot the parameters if the
+   round overlaps training, call ``hook(state, bucket)``; then average the policies'
+   extra buckets (buffers, optimizer state) exactly, beside the hook;
+2. **collect**: wait for every future and check its value against the hook contract
+   (a floating-point tensor of ``bucket.numel()`` elements, finite with
+   ``check_finite``), counting the bytes sent even when a check fails;
+3. **write back**: only once every result is valid, copy the results into the
+   parameters in place (and into the anchors); an overlapped round adds the change
+   instead, ``params + (result - params_at_launch)``, keeping the progress made while
+   it was in flight.
+
+A failed round raises :class:`AveragingHookError` before step 3, so no parameter
+changes. :func:`run_round` is one blocking round over buckets you built yourself, the
+way to test a hook without a model.
+
+Example:
+    >>> import torch, torch.distributed as dist
+    >>> import ddp_avg_hooks as dah
+    >>> from ddp_avg_hooks.bucket import ParamBucket
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> w = torch.nn.Parameter(torch.ones(3))
+    >>> done = dah.rounds.run_round(dah.hooks.fp16_compress_hook, None,
+    ...                             [ParamBucket(0, [w], is_last=True, keep_anchor=True)])
+    >>> done.bytes_sent, w.tolist()
+    (6, [1.0, 1.0, 1.0])
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .bucket import ParamBucket
+from .hooks.default import allreduce_hook
+from .protocol import hook_name
+
+
+class AveragingHookError(RuntimeError):
+    """An averaging hook failed or returned something other than the contract says."""
+
+
+@dataclasses.dataclass
+class PendingRound:
+    """A launched round: the hook's futures and those of the exact extra buckets."""
+
+    futures: list
+    extras: list[ParamBucket]
+    extra_futures: list
+    started: float
+    overlapped: bool
+    where: str
+    bytes_sent: int = 0  # set by collect(), even when a check fails
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures + self.extra_futures)
+
+
+@dataclasses.dataclass
+class FinishedRound:
+    """A collected round: checked results, not yet written back."""
+
+    results: list[torch.Tensor]
+    extra_results: list[torch.Tensor]
+    overlapped: bool
+    bytes_sent: int
+    wait_seconds: float
+    started: float
+
+
+class RoundEngine:
+    """Runs rounds of one hook over a fixed list of buckets.
+
+    Args:
+        hook: ``hook(state, bucket) -> Future[Tensor]``.
+        state: passed to every hook call.
+        buckets: the buckets, in launch order.
+        exact_group: the process group of the extra buckets' exact average.
+        check_finite: reject a round whose results hold nan or inf.
+    """
+
+    def __init__(self, hook: Callable, state, buckets: Sequence[ParamBucket], *,
+                 exact_group=None, check_finite: bool = False) -> None:
+        self.hook, self.state = hook, state
+        self.name = hook_name(hook)
+        self.buckets = list(buckets)
+        self.exact_group = exact_group
+        self.check_finite = check_finite
+
+    def error(self, bucket: ParamBucket, where: str, what: str) -> AveragingHookError:
+        return AveragingHookError(
+            f"averaging hook {self.name!r} on bucket {bucket.index()} of "
+            f"{len(self.buckets)} ({where}): {what}"
+        )
+
+    def launch(self, *, overlapped: bool = False, extras: Sequence[ParamBucket] = (),
+               where: str = "round") -> PendingRound:
+        """Call the hook on every bucket, then start the extras' exact average."""
+        started = time.perf_counter()
+        futures = []
+        with record_function("ddp_avg_hooks::round::launch"):
+            for bucket in self.buckets:
+                bucket._start_round()
+                if overlapped:
+                    bucket._snapshot_launch()
+                try:
+                    fut = self.hook(self.state, bucket)
+                except Exception as exc:
+                    raise self.error(bucket, where, f"raised {type(exc).__name__}: {exc}") from exc
+                if not isinstance(fut, torch._C.Future):
+                    raise self.error(
+                        bucket, where,
+                        f"returned {type(fut).__name__}; expected a torch.futures.Future "
+                        "whose value is the bucket's new flat parameters",
+                    )
+                futures.append(fut)
+            extras = list(extras)
+            extra_futures = []
+            for bucket in extras:
+                bucket._start_round()
+                extra_futures.append(allreduce_hook(self.exact_group, bucket))
+        return PendingRound(futures, extras, extra_futures, started, overlapped, where)
+
+    def collect(self, pending: PendingRound) -> FinishedRound:
+        """Wait for the round and check every result; raises :class:`AveragingHookError`."""
+        wait_start = time.perf_counter()
+        try:
+            with record_function("ddp_avg_hooks::round::wait"):
+                results = [self._result(b, f, pending.where)
+                           for b, f in zip(self.buckets, pending.futures)]
+                extra_results = [f.wait() for f in pending.extra_futures]
+        finally:
+            pending.bytes_sent = sum(b._take_bytes_sent() for b in self.buckets + pending.extras)
+        return FinishedRound(results, extra_results, pending.overlapped, pending.bytes_sent,
+                             time.perf_counter() - wait_start, pending.started)
+
+    def write_back(self, pending: PendingRound, finished: FinishedRound) -> None:
+        """Copy the results into the parameters in place (all of them valid by now)."""
+        with record_function("ddp_avg_hooks::round::write_back"):
+            for bucket, value in zip(self.buckets, finished.results):
+                if finished.overlapped:
+                    bucket._write_back_with_progress(value)
+                else:
+                    bucket._write_back(value)
+            for bucket, value in zip(pending.extras, finished.extra_results):
+                bucket._write_back(value)
+
+    def _result(self, bucket: ParamBucket, fut, where: str) -> torch.Tensor:
+        try:
+            value = fut.wait()
+        except Exception as exc:
+            raise self.error(bucket, where,
+                             f"its future raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(value, torch.Tensor):
+            raise self.error(
+                bucket, where,
+                f"its future holds {type(value).__name__}; expected a floating-point tensor "
+                f"of {bucket.numel()} elements",
+            )
+        if not value.is_floating_point():
+            raise self.error(bucket, where, f"its future holds a {value.dtype} tensor; "
+                             "expected a floating-point one")
+        if value.numel() != bucket.numel():
+            raise self.error(
+                bucket, where,
+                f"its future holds {value.numel()} elements; expected {bucket.numel()} "
+                "(one per parameter element of the bucket)",
+            )
+        if self.check_finite and not bool(torch.isfinite(value).all()):
+            raise self.error(bucket, where,
+                             "result has nan or inf (check_finite=True); nothing written")
+        return value
+
+
+def run_round(hook: Callable, state, buckets: Sequence[ParamBucket], *,
+              between: Callable[[], None] | None = None) -> FinishedRound:
+    """One blocking round of ``hook`` over ``buckets``, as a registration runs it.
+
+    ``between`` runs after the launch and before the wait (say, another collective
+    that must not interleave with the hook's). Returns the written-back round (its
+    ``bytes_sent`` is what the hook recorded).
+    """
+    engine = RoundEngine(hook, state, buckets)
+    pending = engine.launch()
+    if between is not None:
+        between()
+    finished = engine.collect(pending)
+    engine.write_back(pending, finished)
+    return finished

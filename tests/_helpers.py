@@ -1,0 +1,45 @@
+"""What the tests share: a small seeded model, per-rank batches, flat views, one step.
+
+Per-rank data depends only on ``(rank, step)``, so a single-process reference in the
+parent can replay exactly what every rank saw.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DIMS = (5, 8, 3)  # in, hidden, out
+
+
+def make_model(seed: int = 0, dims: tuple[int, int, int] = DIMS) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    d_in, hidden, d_out = dims
+    return torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(),
+                               torch.nn.Linear(hidden, d_out))
+
+
+def batch(rank: int, step: int, n: int = 6, dims: tuple[int, int, int] = DIMS):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, dims[0], generator=g), torch.randn(n, dims[-1], generator=g)
+
+
+def loss_of(model, rank: int, step: int, **batch_kw) -> torch.Tensor:
+    x, y = batch(rank, step, **batch_kw)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def train_step(model, opt, rank: int, step: int, **batch_kw) -> None:
+    opt.zero_grad()
+    loss_of(model, rank, step, **batch_kw).backward()
+    opt.step()
+
+
+def params_of(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def flat(model_or_params) -> torch.Tensor:
+    """All parameters of a module (or a list of tensors) as one new flat tensor."""
+    params = (model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module)
+              else model_or_params)
+    return torch.cat([p.detach().reshape(-1) for p in params]).clone()
