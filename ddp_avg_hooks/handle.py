@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import ParamBucket
+from .observers import Reporter
 from .rounds import PendingRound, RoundEngine
 
 
@@ -61,18 +62,10 @@ class AveragingHandle:
     counter advances together (``verify=True`` catches counters that drift apart).
 
     With ``overlap=True`` a round is launched at its step and training goes on; the
-    result is applied at the first later ``step()`` that finds it complete, and at
-    the latest before the next round, keeping the progress made meanwhile:
-    ``params <- params + (averaged - params_at_launch)``. The replicas then agree on
-    the anchor, not on the parameters: each keeps the local steps taken while the
-    round was in flight (up to ``period - 1`` stale steps). The staleness costs loss,
-    since a correction computed at launch also undoes differences that local training
-    has meanwhile resolved on its own: keep a round's duration well under the period
-    (a compressed hook, a longer period). ``average()``, ``state_dict()`` and
-    ``remove()`` finish a round in flight first. Hooks must read the parameters
-    (``buffer()``, ``delta()``) before they return. The cross-rank checks of an
-    overlapped round (``verify``, ``track_consensus``) run at the next round, the
-    first step all ranks are sure to share.
+    result is applied at the first later ``step()`` that finds it complete, at the
+    latest before the next round, as ``params + (averaged - params_at_launch)`` (see
+    :mod:`ddp_avg_hooks.rounds`). ``average()``, ``state_dict()`` and ``remove()``
+    finish a round in flight first.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -99,10 +92,9 @@ class AveragingHandle:
         self._next_round = options.warmup_steps
         self.process_group = engine.exact_group
         self.grad_process_group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
-        self._policies, self._observers = list(policies), list(observers)
+        self._policies, self._reporter = list(policies), Reporter(list(observers))
         self._optimizer_hook = None
         self._in_flight: PendingRound | None = None
-        self._deferred: list = []  # (observer, round number, measurement) to report
         self._step_count = 0
         self._removed = False
         self.stats = AveragingStats()
@@ -156,7 +148,7 @@ class AveragingHandle:
         if self._in_flight is not None and (averaging or self._in_flight.done()):
             self._finish(self._in_flight)
         if averaging:
-            self._report_deferred()
+            self._reporter.report_deferred(self)
             pending = self._launch(overlapped=self._options.overlap)
             if not pending.overlapped:
                 self._finish(pending)
@@ -172,7 +164,7 @@ class AveragingHandle:
         """Average now, outside the schedule (collective; the counter does not move)."""
         self._check_alive("average")
         self.synchronize()
-        self._report_deferred()
+        self._reporter.report_deferred(self)
         self._finish(self._launch(overlapped=False))
 
     def synchronize(self) -> None:
@@ -197,30 +189,17 @@ class AveragingHandle:
             self.stats.bytes_sent += pending.bytes_sent
             self.stats.last_round_bytes = pending.bytes_sent
         self.stats.wait_seconds += finished.wait_seconds
-        measured = [o.measure(self._engine.buckets, finished) for o in self._observers]
+        measured = self._reporter.measure(self._engine.buckets, finished)
         self._engine.write_back(pending, finished)
         for policy in self._policies:
             policy.after_write_back()
         self.stats.rounds += 1
-        number = self.stats.rounds
-        reports = list(zip(self._observers, measured))
-        collective = [(o, m) for o, m in reports if o.collective]
-        if pending.overlapped:
-            # Ranks apply an overlapped round at different steps, so collective reports
-            # wait for a step every rank shares: the next round (or average()).
-            self._deferred = [(o, number, m) for o, m in collective]
-        else:
-            for observer, m in collective:
-                observer.report(self, number, m)
+        # Ranks apply an overlapped round at different steps, so its collective reports
+        # wait for a step every rank shares: the next round (or average()).
+        self._reporter.report_collective(self, self.stats.rounds, measured,
+                                         overlapped=pending.overlapped)
         self.stats.seconds += time.perf_counter() - pending.started
-        for observer, m in reports:
-            if not observer.collective:
-                observer.report(self, number, m)
-
-    def _report_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for observer, number, m in deferred:
-            observer.report(self, number, m)
+        self._reporter.report_local(self, self.stats.rounds, measured)
 
     # --- lifecycle --------------------------------------------------------------------
     def _check_alive(self, what: str) -> None:
@@ -286,30 +265,11 @@ class AveragingHandle:
         with another hook, period, warm-up or bucket layout; nothing is changed then.
         """
         self._check_alive("load_state_dict")
-        keys = ("step_count", "next_round", "config", "schedule", "anchors", "bucket_memory")
-        if not isinstance(state_dict, dict) or not all(k in state_dict for k in keys):
-            raise TypeError(
-                "load_state_dict: expected the dict returned by AveragingHandle.state_dict(), "
-                f"got {type(state_dict).__name__}"
-                + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
-            )
+        _check_checkpoint(state_dict)
         self.synchronize()
-        for key, mine in self.config().items():
-            if state_dict["config"][key] != mine:
-                raise ValueError(f"load_state_dict: {difference(key, state_dict['config'][key], mine)}; "
-                                 "register with the same settings to resume")
-        saved = [{"anchor": a, "memory": m}
-                 for a, m in zip(state_dict["anchors"], state_dict["bucket_memory"])]
-        for bucket, entry in zip(self._engine.buckets, saved):
-            bucket._check_state(entry)
-        has_hook_state = hasattr(self.state, "load_state_dict")
-        if has_hook_state != ("hook_state" in state_dict):
-            raise ValueError(
-                "load_state_dict: the checkpoint "
-                + ("has no hook state but this hook's state needs one"
-                   if has_hook_state else "has a hook state but this hook's state takes none")
-            )
-        if has_hook_state:
+        saved = _bucket_entries(state_dict)
+        _check_matches(state_dict, self.config(), self._engine.buckets, saved, self.state)
+        if hasattr(self.state, "load_state_dict"):
             self.state.load_state_dict(state_dict["hook_state"])
         self._schedule.load_state_dict(state_dict["schedule"])
         for bucket, entry in zip(self._engine.buckets, saved):
@@ -334,3 +294,37 @@ def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str
         i = next(i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b)
         return f"the bucket layout differs at bucket {i}: {theirs[i]} {theirs_at}, {mine[i]} {mine_at}"
     return f"{key!r} differs: {theirs!r} {theirs_at}, {mine!r} {mine_at}"
+
+
+_KEYS = ("step_count", "next_round", "config", "schedule", "anchors", "bucket_memory")
+
+
+def _check_checkpoint(state_dict) -> None:
+    if not isinstance(state_dict, dict) or not all(k in state_dict for k in _KEYS):
+        raise TypeError(
+            "load_state_dict: expected the dict returned by AveragingHandle.state_dict(), "
+            f"got {type(state_dict).__name__}"
+            + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
+        )
+
+
+def _bucket_entries(state_dict: dict) -> list[dict]:
+    return [{"anchor": a, "memory": m}
+            for a, m in zip(state_dict["anchors"], state_dict["bucket_memory"])]
+
+
+def _check_matches(state_dict: dict, config: dict, buckets, saved: list, hook_state) -> None:
+    """Raise ``ValueError`` naming the first way ``state_dict`` does not fit this handle."""
+    for key, mine in config.items():
+        if state_dict["config"][key] != mine:
+            raise ValueError(f"load_state_dict: {difference(key, state_dict['config'][key], mine)}; "
+                             "register with the same settings to resume")
+    for bucket, entry in zip(buckets, saved):
+        bucket._check_state(entry)
+    has_hook_state = hasattr(hook_state, "load_state_dict")
+    if has_hook_state != ("hook_state" in state_dict):
+        raise ValueError(
+            "load_state_dict: the checkpoint "
+            + ("has no hook state but this hook's state needs one"
+               if has_hook_state else "has a hook state but this hook's state takes none")
+        )

@@ -3,7 +3,7 @@
 Links inside a node (NVLink, shared memory) are much faster than links between nodes,
 so average often and exactly inside a node and rarely, or compressed, across nodes.
 That is two registrations on one model, each on its own group with its own period
-and hook (DESIGN.md section 5); :func:`node_groups` builds the groups. The recipe
+and hook; :func:`node_groups` builds the groups. The recipe
 (``ranks_per_node=8``: exact every 2 steps within a node, PowerSGD every 16 across
 all ranks)::
 
@@ -40,6 +40,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ._checks import check_int
+
 
 @dataclass(frozen=True)
 class NodeGroups:
@@ -59,6 +61,8 @@ class NodeGroups:
 
     Example:
         >>> import torch.distributed as dist
+
+from ._checks import check_int
         >>> from ddp_avg_hooks.hierarchy import node_groups
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> g = node_groups(ranks_per_node=1)
@@ -128,10 +132,7 @@ def node_groups(
     """
     if not dist.is_initialized():
         raise RuntimeError("node_groups: call dist.init_process_group first")
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int):
-        raise TypeError(
-            f"node_groups: ranks_per_node must be an int, got {type(ranks_per_node).__name__}"
-        )
+    check_int("ranks_per_node", ranks_per_node, 1, owner="node_groups")
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(

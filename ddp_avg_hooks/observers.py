@@ -115,6 +115,39 @@ class RoundCallback(RoundObserver):
         self._fn(handle)
 
 
+class Reporter:
+    """Runs a registration's observers around each finished round.
+
+    Collective reports of an overlapped round wait in :attr:`deferred` until
+    :meth:`report_deferred`, which the handle calls at the next step all ranks share.
+    """
+
+    def __init__(self, observers: list[RoundObserver]) -> None:
+        self.observers = observers
+        self.deferred: list = []
+
+    def measure(self, buckets, finished) -> list:
+        return [o.measure(buckets, finished) for o in self.observers]
+
+    def report_collective(self, handle, number: int, measured: list, *, overlapped: bool) -> None:
+        collective = [(o, m) for o, m in zip(self.observers, measured) if o.collective]
+        if overlapped:
+            self.deferred = [(o, number, m) for o, m in collective]
+            return
+        for observer, m in collective:
+            observer.report(handle, number, m)
+
+    def report_local(self, handle, number: int, measured: list) -> None:
+        for observer, m in zip(self.observers, measured):
+            if not observer.collective:
+                observer.report(handle, number, m)
+
+    def report_deferred(self, handle) -> None:
+        deferred, self.deferred = self.deferred, []
+        for observer, number, m in deferred:
+            observer.report(handle, number, m)
+
+
 def make_observers(options) -> list[RoundObserver]:
     """The observers ``options`` asks for, in the order they report."""
     observers: list[RoundObserver] = []

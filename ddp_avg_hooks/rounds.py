@@ -14,7 +14,16 @@ One round, in order:
    it was in flight.
 
 A failed round raises :class:`AveragingHookError` before step 3, so no parameter
-changes. :func:`run_round` is one blocking round over buckets you built yourself, the
+changes.
+
+Overlapped rounds (``overlap=True``): the replicas then agree on the anchor, not on the
+parameters; each keeps the local steps taken while the round was in flight (up to
+``period - 1`` stale steps). Staleness costs loss, since a correction computed at
+launch also undoes differences that local training has meanwhile resolved on its own:
+keep a round's duration well under the period (a compressed hook, a longer period).
+Hooks must read the parameters (``buffer()``, ``delta()``) before they return. The
+cross-rank checks of an overlapped round (``verify``, ``track_consensus``) run at the
+next round, the first step all ranks are sure to share. :func:`run_round` is one blocking round over buckets you built yourself, the
 way to test a hook without a model.
 
 Example:

@@ -21,13 +21,11 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from ._checks import check_int
+
 
 def _check_period(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
+    return check_int(name, value, 1)
 
 
 class PeriodSchedule:
@@ -92,9 +90,7 @@ class PostLocalPeriod(PeriodSchedule):
     def __init__(self, period: int, switch_step: int, period_after: int) -> None:
         self.period = _check_period("period", period)
         self.period_after = _check_period("period_after", period_after)
-        if isinstance(switch_step, bool) or not isinstance(switch_step, int) or switch_step < 0:
-            raise ValueError(f"switch_step must be an int >= 0, got {switch_step!r}")
-        self.switch_step = switch_step
+        self.switch_step = check_int("switch_step", switch_step, 0)
         self._current = period
 
     def next_period(self, step: int) -> int:

@@ -19,9 +19,8 @@ round.
 
 Tuning: in steady state Nesterov momentum ``m`` at outer lr ``lr`` moves the parameters
 by up to ``lr / (1 - m)`` times a round's averaged change (7x with DiLoCo's defaults), so
-the inner optimizer wants a smaller learning rate than plain training. On this package's
-benchmark model, DiLoCo at period 32 did best at 0.3x DDP's tuned AdamW learning rate and
-stalled at DDP's own (``benchmarks/RESULTS.md``, "DiLoCo sweep").
+the inner optimizer wants a smaller learning rate than plain training: tune it for the
+outer step, starting a few times below the learning rate that suits plain DDP.
 
 Design notes:
 
@@ -35,9 +34,9 @@ Design notes:
   follows whatever the registry does to the anchor (the reset at the end of warm-up, a
   loaded checkpoint). It has the bucket's dtype. The pseudo-gradient is computed in the
   bucket's round scratch space (``bucket.workspace()``), so it costs no memory.
-* Per-bucket structures are created eagerly by the hook's ``prepare_bucket`` attribute
-  (the registry calls it for every bucket at registration; :meth:`OuterOptimizerState.prepare`
-  does the same by hand) or, failing that, at the bucket's first round. A state dict
+* Per-bucket structures are created eagerly by the hook's ``prepare_bucket`` (its
+  :class:`~ddp_avg_hooks.HookSpec`; the registry calls it for every bucket at
+  registration, :meth:`OuterOptimizerState.prepare` does the same by hand) or, failing that, at the bucket's first round. A state dict
   loaded before then is kept and applied when the bucket is prepared.
 * If a round fails after some buckets stepped (a later bucket raised, ``check_finite``),
   those buckets' optimizer state has advanced although no parameter changed, as with

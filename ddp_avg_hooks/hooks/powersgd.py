@@ -33,8 +33,9 @@ Properties (tested in ``tests/test_powersgd.py``):
 Collective ordering: both allreduces are issued by the caller's thread, in the hook
 itself; the hook waits for the ``P`` allreduce (small) before issuing ``Q``, and only
 the decompression runs in a ``.then`` callback. A collective issued from a callback
-thread could overtake another collective issued meanwhile on the same group, in a
-different order on each rank (see the comment in :func:`powersgd_hook`).
+thread could overtake another collective issued meanwhile on the same group (the next
+bucket, buffer averaging, a training step of an overlapped round), in a different
+order on each rank: gloo and NCCL pair collectives by the order each rank issues them.
 """
 
 from __future__ import annotations
@@ -103,9 +104,8 @@ class _BucketMemory:
         self.q_init = state._draw_q(self.layout.q_numel, bucket.index(), None, dtype, dev)
         self.q = self.q_init.clone()
         self.q_local = torch.empty_like(self.q) if state.use_error_feedback else None
-        self.residual = (
-            torch.zeros(bucket.numel(), dtype=dtype, device=dev) if state.use_error_feedback else None
-        )
+        ef = state.use_error_feedback
+        self.residual = torch.zeros(bucket.numel(), dtype=dtype, device=dev) if ef else None
 
 
 def _save_bucket(mem: _BucketMemory) -> dict:
@@ -328,8 +328,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         1
         >>> handle.remove(); dist.destroy_process_group()
     """
-    if not isinstance(state, PowerSGDState):
-        _validate_state(state)
+    _validate_state(state)
     group = or_world(state.process_group)
     if not is_member(group):
         return completed(bucket.buffer())
@@ -372,13 +371,8 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         t_off += length
     bucket.record_sent(p_all, q_all)
 
-    # Both collectives are launched here, by the caller's thread, never from a future
-    # callback: gloo and NCCL pair collectives by the order each rank issues them, and a
-    # collective issued from a callback thread could overtake one the caller issues
-    # meanwhile on the same group (the next bucket, the registry's buffer averaging, a
-    # training step of an overlapped round), differently on each rank. So the hook
-    # waits for P (small: r (n + m) numbers per matrix) before issuing Q. With NCCL,
-    # ``wait()`` only orders the current stream after the allreduce; the host goes on.
+    # Wait for P here rather than issue Q from a callback thread (see "Collective
+    # ordering" above). With NCCL, wait() only orders the stream; the host goes on.
     dist.all_reduce(p_all, group=group, async_op=True).wait()
     for _, _, _, ci, pt, qt, _ in views:
         _orthonormalize_rows_(pt, state.orthogonalization_epsilon)
