@@ -1,20 +1,16 @@
 // Torch binding of the ddp_avg_hooks kernels: the only source file that includes torch.
 //
-// Each op checks its arguments exactly as ddp_avg_hooks/_fallback.py does, in the same
-// order and with the same exception types (ValueError for sizes, layout and devices,
-// TypeError for dtypes), then returns:
-//   true   the op ran (CPU, or CUDA when built with DAH_WITH_CUDA);
-//   false  nothing was written: a float64 tensor or another device is involved, and
-//          the caller (ops.py) runs the fallback instead.
-// Parameters are grouped by dtype (one kernel call per group). Non-contiguous
-// parameters (channels_last, strided views) go through a contiguous temporary.
-// All bindings release the GIL.
+// ddp_avg_hooks/ops.py validates every call (with the user-facing messages) and routes
+// here only calls the kernels can run: float32/float16/bfloat16 tensors, all on the
+// CPU, or on one CUDA device when built with DAH_WITH_CUDA. The binding only asserts
+// the invariants the kernels rely on (short messages), then runs. Parameters are
+// grouped by dtype (one kernel call per group); non-contiguous parameters
+// (channels_last, strided views) go through a contiguous temporary. All bindings
+// release the GIL.
 
 #include <torch/extension.h>
 
 #include <optional>
-#include <sstream>
-#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -26,71 +22,38 @@
 
 namespace {
 
-std::string dtype_name(const at::Tensor& t) {
-  return std::string("torch.") + std::string(c10::getDtypeNames(t.scalar_type()).first);
-}
-
-std::string tuple_str(at::IntArrayRef v) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < v.size(); ++i) s << (i ? ", " : "") << v[i];
-  s << (v.size() == 1 ? ",)" : ")");
-  return s.str();
-}
-
-bool known_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
-}
-
 int dtype_code(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return DAH_FLOAT32;
     case at::kHalf: return DAH_FLOAT16;
     case at::kBFloat16: return DAH_BFLOAT16;
-    default: return -1;  // float64: handled by the fallback
+    default: return -1;
   }
 }
 
-void check_dtype(const at::Tensor& t, const std::string& what, const char* op) {
-  TORCH_CHECK_TYPE(known_dtype(t.scalar_type()), op, ": ", what, " has dtype ", dtype_name(t),
-                   "; supported dtypes are float32, float16, bfloat16 and float64");
+bool kernel_device(const at::Device& d) {
+#ifdef DAH_WITH_CUDA
+  if (d.is_cuda()) return true;
+#endif
+  return d.is_cpu();
 }
 
-// The checks every op shares (_fallback._check_flat): a contiguous 1-D buffer that
-// fits the parameters exactly, all on its device.
-void check_flat(const at::Tensor& flat, const std::vector<at::Tensor>& params,
-                const char* what, const char* op) {
-  check_dtype(flat, what, op);
-  TORCH_CHECK_VALUE(flat.dim() == 1 && flat.is_contiguous(), op, ": ", what,
-                    " must be a contiguous 1-D tensor, got shape ", tuple_str(flat.sizes()),
-                    " with strides ", tuple_str(flat.strides()));
+// What the kernels need: kernel dtypes, one supported device, contiguous 1-D flat
+// buffers that hold exactly the parameters' elements.
+void check_args(const char* op, const std::vector<at::Tensor>& params,
+                std::initializer_list<const at::Tensor*> flats) {
+  const at::Tensor& first = **flats.begin();
+  TORCH_CHECK(kernel_device(first.device()), op, ": device not supported by the kernels");
   int64_t total = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    check_dtype(p, "params[" + std::to_string(i) + "]", op);
-    TORCH_CHECK_VALUE(p.device() == flat.device(), op, ": params[", i, "] is on ", p.device(),
-                      " but ", what, " is on ", flat.device(),
-                      "; put all tensors of one call on one device");
+  for (const at::Tensor& p : params) {
+    TORCH_CHECK(dtype_code(p.scalar_type()) >= 0 && p.device() == first.device(), op,
+                ": params need kernel dtypes and the flat buffer's device");
     total += p.numel();
   }
-  TORCH_CHECK_VALUE(total == flat.numel(), op, ": ", what, " has ", flat.numel(),
-                    " elements but the parameters hold ", total,
-                    "; the buffer must have exactly sum(p.numel() for p in params) elements");
-}
-
-// Whether the kernels can run this call: no float64 and a device we were built for.
-bool runnable(const at::Tensor& flat, const std::vector<at::Tensor>& params,
-              std::initializer_list<const at::Tensor*> others = {}) {
-  if (dtype_code(flat.scalar_type()) < 0) return false;
-  for (const at::Tensor* t : others)
-    if (dtype_code(t->scalar_type()) < 0) return false;
-  for (const at::Tensor& p : params)
-    if (dtype_code(p.scalar_type()) < 0) return false;
-  if (flat.is_cpu()) return true;
-#ifdef DAH_WITH_CUDA
-  if (flat.is_cuda()) return true;
-#endif
-  return false;
+  for (const at::Tensor* f : flats)
+    TORCH_CHECK(dtype_code(f->scalar_type()) >= 0 && f->device() == first.device() &&
+                    f->dim() == 1 && f->is_contiguous() && f->numel() == total,
+                op, ": flat buffers must be contiguous 1-D, kernel dtypes, sized to params");
 }
 
 // One kernel call's worth of parameters: same dtype, contiguous pointers.
@@ -169,10 +132,9 @@ void run_groups(const char* op, const at::Tensor& flat, Plan& plan, const Cpu& c
 #endif
 }
 
-bool flatten(const std::vector<at::Tensor>& params, const at::Tensor& out,
+void flatten(const std::vector<at::Tensor>& params, const at::Tensor& out,
              std::optional<double> scale) {
-  check_flat(out, params, "out", "flatten");
-  if (!runnable(out, params)) return false;
+  check_args("flatten", params, {&out});
   Plan plan(params, /*writes=*/false);
   const int has_scale = scale.has_value() ? 1 : 0;
   // like Tensor.mul_(python_float) on float32: the scalar is rounded to float first
@@ -193,12 +155,10 @@ bool flatten(const std::vector<at::Tensor>& params, const at::Tensor& out,
                                 s, stream);
       });
   bump(out);
-  return true;
 }
 
-bool unflatten(const at::Tensor& flat, const std::vector<at::Tensor>& params) {
-  check_flat(flat, params, "flat", "unflatten_");
-  if (!runnable(flat, params)) return false;
+void unflatten(const at::Tensor& flat, const std::vector<at::Tensor>& params) {
+  check_args("unflatten_", params, {&flat});
   Plan plan(params, /*writes=*/true);
   const int fd = dtype_code(flat.scalar_type());
   const void* f = flat.data_ptr();
@@ -213,14 +173,11 @@ bool unflatten(const at::Tensor& flat, const std::vector<at::Tensor>& params) {
                                   static_cast<int64_t>(g.ptrs.size()), g.dtype, stream);
       });
   plan.finish_writes(params);
-  return true;
 }
 
-bool delta(const at::Tensor& anchor, const std::vector<at::Tensor>& params,
+void delta(const at::Tensor& anchor, const std::vector<at::Tensor>& params,
            const at::Tensor& out, double scale) {
-  check_flat(anchor, params, "anchor", "delta");
-  check_flat(out, params, "out", "delta");
-  if (!runnable(out, params, {&anchor})) return false;
+  check_args("delta", params, {&out, &anchor});
   Plan plan(params, /*writes=*/false);
   const float s = static_cast<float>(scale);
   const int ad = dtype_code(anchor.scalar_type()), od = dtype_code(out.scalar_type());
@@ -239,22 +196,18 @@ bool delta(const at::Tensor& anchor, const std::vector<at::Tensor>& params,
                               static_cast<int64_t>(g.ptrs.size()), g.dtype, o, od, s, stream);
       });
   bump(out);
-  return true;
 }
 
-bool apply(const at::Tensor& flat, const std::vector<at::Tensor>& params,
+void apply(const at::Tensor& flat, const std::vector<at::Tensor>& params,
            const std::optional<at::Tensor>& anchor) {
-  check_flat(flat, params, "flat", "apply_");
   if (anchor.has_value()) {
-    check_flat(*anchor, params, "anchor", "apply_");
-    for (size_t i = 0; i < params.size(); ++i)
-      TORCH_CHECK_TYPE(params[i].scalar_type() == anchor->scalar_type(),
-                       "apply_: anchor has dtype ", dtype_name(*anchor), " but params[", i,
-                       "] has ", dtype_name(params[i]),
-                       "; the anchor must have the parameters' dtype");
+    check_args("apply_", params, {&flat, &*anchor});
+    for (const at::Tensor& p : params)
+      TORCH_CHECK(p.scalar_type() == anchor->scalar_type(),
+                  "apply_: the anchor must have the parameters' dtype");
+  } else {
+    check_args("apply_", params, {&flat});
   }
-  if (anchor.has_value() ? !runnable(flat, params, {&*anchor}) : !runnable(flat, params))
-    return false;
   Plan plan(params, /*writes=*/true);
   const int fd = dtype_code(flat.scalar_type());
   const void* f = flat.data_ptr();
@@ -271,7 +224,6 @@ bool apply(const at::Tensor& flat, const std::vector<at::Tensor>& params,
       });
   plan.finish_writes(params);
   if (anchor.has_value()) bump(*anchor);
-  return true;
 }
 
 bool with_cuda() {
@@ -285,16 +237,16 @@ bool with_cuda() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "ddp_avg_hooks fused bucket copies; see ddp_avg_hooks/_fallback.py for semantics";
+  m.doc() = "ddp_avg_hooks fused bucket copies, unvalidated: call them through ddp_avg_hooks.ops";
   using release = py::call_guard<py::gil_scoped_release>;
-  m.def("flatten", &flatten, "out <- cat(params) * scale, cast; False: use the fallback",
+  m.def("flatten", &flatten, "out <- cat(params) * scale, cast",
         py::arg("params"), py::arg("out"), py::arg("scale") = py::none(), release());
-  m.def("unflatten_", &unflatten, "params <- flat, cast; False: use the fallback",
+  m.def("unflatten_", &unflatten, "params <- flat, cast",
         py::arg("flat"), py::arg("params"), release());
-  m.def("delta", &delta, "out <- (anchor - cat(params)) * scale, cast; False: use the fallback",
+  m.def("delta", &delta, "out <- (anchor - cat(params)) * scale, cast",
         py::arg("anchor"), py::arg("params"), py::arg("out"), py::arg("scale") = 1.0,
         release());
-  m.def("apply_", &apply, "params <- flat, anchor <- params; False: use the fallback",
+  m.def("apply_", &apply, "params <- flat, anchor <- params",
         py::arg("flat"), py::arg("params"), py::arg("anchor") = py::none(), release());
   m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled in");
   m.def("_cpu_simd", &dah_cpu_simd, "CPU vector bodies: 1 on, 0 off, -1 query (tests only)",

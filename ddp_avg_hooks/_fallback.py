@@ -1,14 +1,21 @@
-"""Bucket copy operations in plain PyTorch: the readable reference for ``ops``.
+"""Bucket copy operations in plain PyTorch: the reference loop and a ``torch._foreach_*`` tier.
 
-Every op here has a twin in the C++ extension (``csrc/``) with the same signature,
-the same results bit for bit and the same error types. The rules both follow:
+``flatten``, ``unflatten_``, ``delta`` and ``apply_`` are the readable per-tensor
+reference; ``foreach_flatten`` ... ``foreach_apply_`` compute the same thing with
+``torch._foreach_*`` ops, through a small reused scratch buffer instead of temporaries.
+Both have a twin in the C++ extension (``csrc/``); all three give the same results
+bit for bit, following these rules:
 
 * A flat buffer holds the parameters back to back, each in its *logical* (row-major)
   order, whatever its memory format: ``flat[off:off + p.numel()].view(p.shape)``.
-* Arithmetic runs in float32 (float64 when any tensor involved is float64) and the
-  result is rounded once to the output dtype, to nearest-even, as ``Tensor.to`` does.
+* Arithmetic runs in float32 (float64 when any tensor of the parameter's computation
+  is float64) and the result is rounded once to the output dtype, to nearest-even,
+  as ``Tensor.to`` does.
 * Supported dtypes: float32, float16, bfloat16, float64. All tensors on one device.
-* Bad arguments raise ``ValueError`` (sizes, layout, devices) or ``TypeError`` (dtypes).
+
+The functions here do not check their arguments: ``ops`` validates every call once
+(``ValueError`` for sizes, layout and devices, ``TypeError`` for dtypes) and then
+picks one of the implementations.
 
 Example:
     >>> import torch
@@ -17,51 +24,18 @@ Example:
     >>> flat = torch.empty(7, dtype=torch.float16)
     >>> F.flatten(ps, flat, scale=0.5).tolist()
     [0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 1.0]
+    >>> F.foreach_flatten(ps, torch.empty_like(flat), scale=0.5).equal(flat)
+    True
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _check_dtype(t: torch.Tensor, what: str, op: str) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"{op}: {what} has dtype {t.dtype}; supported dtypes are float32, float16, "
-            "bfloat16 and float64"
-        )
-
-
-def _check_flat(flat: torch.Tensor, params: Sequence[torch.Tensor], what: str, op: str) -> None:
-    """Checks shared by every op: a contiguous 1-D buffer that fits ``params`` exactly."""
-    if not isinstance(flat, torch.Tensor):
-        raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(flat).__name__}")
-    _check_dtype(flat, what, op)
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(
-            f"{op}: {what} must be a contiguous 1-D tensor, got shape {tuple(flat.shape)} "
-            f"with strides {flat.stride()}"
-        )
-    total = 0
-    for i, p in enumerate(params):
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{op}: params[{i}] must be a torch.Tensor, got {type(p).__name__}")
-        _check_dtype(p, f"params[{i}]", op)
-        if p.device != flat.device:
-            raise ValueError(
-                f"{op}: params[{i}] is on {p.device} but {what} is on {flat.device}; "
-                "put all tensors of one call on one device"
-            )
-        total += p.numel()
-    if total != flat.numel():
-        raise ValueError(
-            f"{op}: {what} has {flat.numel()} elements but the parameters hold {total}; "
-            "the buffer must have exactly sum(p.numel() for p in params) elements"
-        )
 
 
 def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -77,12 +51,14 @@ def _views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Ten
     return out
 
 
+# ---------------------------------------------------------------- reference
+
+
 @torch.no_grad()
 def flatten(
     params: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """``out <- cat([p.flatten() for p in params]) * scale``, cast to ``out.dtype``; returns ``out``."""
-    _check_flat(out, params, "out", "flatten")
     views = _views(out, params)
     if scale is None:
         for v, p in zip(views, params):
@@ -97,7 +73,6 @@ def flatten(
 @torch.no_grad()
 def unflatten_(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     """Copy ``flat`` into ``params`` in place, casting to each parameter's dtype."""
-    _check_flat(flat, params, "flat", "unflatten_")
     for v, p in zip(_views(flat, params), params):
         p.copy_(v)
 
@@ -110,8 +85,6 @@ def delta(
     scale: float = 1.0,
 ) -> torch.Tensor:
     """``out <- (anchor - flatten(params)) * scale``, cast to ``out.dtype``; returns ``out``."""
-    _check_flat(anchor, params, "anchor", "delta")
-    _check_flat(out, params, "out", "delta")
     for a, p, o in zip(_views(anchor, params), params, _views(out, params)):
         ct = _compute_dtype(a.dtype, p.dtype, o.dtype)
         o.copy_((a.to(ct) - p.to(ct)) * scale)  # out-of-place: never touch anchor or p
@@ -127,17 +100,137 @@ def apply_(
     The anchor receives exactly the values the parameters hold afterwards: ``flat``
     rounded to each parameter's dtype (the anchor must share the parameters' dtype).
     """
-    _check_flat(flat, params, "flat", "apply_")
-    if anchor is not None:
-        _check_flat(anchor, params, "anchor", "apply_")
-        for i, p in enumerate(params):
-            if p.dtype != anchor.dtype:
-                raise TypeError(
-                    f"apply_: anchor has dtype {anchor.dtype} but params[{i}] has {p.dtype}; "
-                    "the anchor must have the parameters' dtype"
-                )
     for v, p in zip(_views(flat, params), params):
         p.copy_(v)
     if anchor is not None:
         for a, p in zip(_views(anchor, params), params):
             a.copy_(p)
+
+
+# ---------------------------------------------------------------- foreach tier
+
+
+def _groups(
+    params: Sequence[torch.Tensor], *flats: torch.Tensor
+) -> dict[torch.dtype, tuple[list[torch.Tensor], ...]]:
+    """``{dtype: (params, views of flats[0], ...)}``, empty tensors left out.
+
+    One group per parameter dtype: the compute dtype is fixed within a group, and
+    CUDA's fused foreach kernels want one dtype per list.
+    """
+    views = [_views(f, params) for f in flats]
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], ...]] = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue  # foreach ops reject empty lists; an empty tensor has nothing to do
+        g = groups.get(p.dtype)
+        if g is None:
+            g = groups[p.dtype] = tuple([] for _ in range(1 + len(flats)))
+        g[0].append(p)
+        for lst, v in zip(g[1:], views):
+            lst.append(v[i])
+    return groups
+
+
+# Elements per step on the CPU: each step runs its four foreach ops through one
+# reused scratch buffer (4 MiB of float32, kept per thread and dtype) that stays in
+# cache, so memory sees about what the extension moves; fresh full-size temporaries
+# are what make the reference loop slow (extra passes, page faults). Smaller steps
+# pay more per-call overhead.
+_CPU_CHUNK = 1 << 20
+_local = threading.local()
+
+
+def _scratch(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type != "cpu":  # the caching allocator makes this cheap, and stream-safe
+        return torch.empty(n, dtype=dtype, device=device)
+    bufs = _local.__dict__.setdefault("bufs", {})  # one per thread: ops may run concurrently
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < n:
+        buf = bufs[dtype] = torch.empty(n, dtype=dtype)
+    return buf
+
+
+def _batches(limit: int, *lists: list[torch.Tensor]):
+    """Aligned 1-D slices of the tensors of ``lists`` (equal numels at each index), in
+    batches of at most ``limit`` elements: yields ``(slices of each list, numel)``."""
+    batch, total = [[] for _ in lists], 0
+    for ts in zip(*lists):
+        flat = [t.reshape(-1) for t in ts]  # copies only a non-contiguous parameter
+        n = flat[0].numel()
+        for lo in range(0, n, limit):
+            k = min(limit, n - lo)
+            if total + k > limit:
+                yield batch, total
+                batch, total = [[] for _ in lists], 0
+            for b, f in zip(batch, flat):
+                b.append(f[lo : lo + k])
+            total += k
+    if total:
+        yield batch, total
+
+
+def _scaled(
+    ct: torch.dtype,
+    dst: list[torch.Tensor],
+    first: list[torch.Tensor],
+    minus: list[torch.Tensor] | None,
+    scale: float,
+) -> None:
+    """``dst <- (first - minus) * scale`` (no ``minus`` when None), computed in ``ct``."""
+    dev = dst[0].device
+    limit = _CPU_CHUNK if dev.type == "cpu" else sum(t.numel() for t in dst)
+    lists = (dst, first) if minus is None else (dst, first, minus)
+    for (d, f, *m), n in _batches(limit, *lists):
+        sc = _views(_scratch(n, ct, dev), d)
+        torch._foreach_copy_(sc, f)  # exact: ct holds every value of f's dtype
+        if m:
+            torch._foreach_sub_(sc, m[0])
+        if scale != 1.0:  # x * 1.0 == x
+            torch._foreach_mul_(sc, scale)
+        torch._foreach_copy_(d, sc)  # the one rounding to the output dtype
+
+
+@torch.no_grad()
+def foreach_flatten(
+    params: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """:func:`flatten` with ``torch._foreach_*`` ops."""
+    for dt, (ps, vs) in _groups(params, out).items():
+        if scale is None:
+            torch._foreach_copy_(vs, ps)
+        else:
+            _scaled(_compute_dtype(dt, out.dtype), vs, ps, None, scale)
+    return out
+
+
+@torch.no_grad()
+def foreach_unflatten_(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """:func:`unflatten_` with ``torch._foreach_copy_``."""
+    for ps, vs in _groups(params, flat).values():
+        torch._foreach_copy_(ps, vs)
+
+
+@torch.no_grad()
+def foreach_delta(
+    anchor: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    out: torch.Tensor,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """:func:`delta` with ``torch._foreach_*`` ops."""
+    for dt, (ps, av, ov) in _groups(params, anchor, out).items():
+        _scaled(_compute_dtype(anchor.dtype, dt, out.dtype), ov, av, ps, scale)
+    return out
+
+
+@torch.no_grad()
+def foreach_apply_(
+    flat: torch.Tensor, params: Sequence[torch.Tensor], anchor: torch.Tensor | None = None
+) -> None:
+    """:func:`apply_` with ``torch._foreach_copy_``."""
+    flats = (flat,) if anchor is None else (flat, anchor)
+    for ps, fv, *av in _groups(params, *flats).values():
+        torch._foreach_copy_(ps, fv)
+        if av:
+            torch._foreach_copy_(av[0], ps)

@@ -1,17 +1,19 @@
-"""The fused bucket ops: extension and fallback agree bit for bit with plain torch.
+"""The fused bucket ops: extension, foreach tier and reference agree bit for bit with plain torch.
 
-Every op runs under both implementations ("ext": the compiled module called directly,
-asserting that it handled the call; "fallback": ``_fallback``) and is compared with a
-reference computed here from ``torch.cat`` / ``Tensor.to``. Values mix random bit
-patterns (every class of float: subnormals, nan, inf, huge) with hand-picked rounding
-ties and values beyond fp16's range. NaN payloads are not compared (torch's own code
-paths disagree on them); everything else, signed zeros included, must match bit for bit.
+Every op runs under each implementation ("ext": the compiled module called directly;
+"foreach": the ``torch._foreach_*`` tier of ``_fallback``; "reference": its per-tensor
+loop) and is compared with a reference computed here from ``torch.cat`` /
+``Tensor.to``. Values mix random bit patterns (every class of float: subnormals, nan,
+inf, huge) with hand-picked rounding ties and values beyond fp16's range. NaN payloads
+are not compared (torch's own code paths disagree on them); everything else, signed
+zeros included, must match bit for bit. Argument errors and routing are ``ops``'s own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import shutil
 import subprocess
@@ -27,7 +29,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
 _INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
         torch.float64: torch.int64}
-_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
 REPO = Path(__file__).resolve().parent.parent
 
 # Rounding ties, range limits and special values (exact as float32).
@@ -143,31 +145,37 @@ def _ext_module():
 
 
 class _Ext:
-    """The extension called directly: fails if it hands a supported call back."""
+    """The extension called directly (it runs every call of kernel dtypes it is given)."""
 
     def __init__(self, m):
         self.m = m
 
     def flatten(self, params, out, scale=None):
-        assert self.m.flatten(params, out, scale), "extension declined a supported call"
+        assert self.m.flatten(params, out, scale) is None
         return out
 
     def unflatten_(self, flat, params):
-        assert self.m.unflatten_(flat, params), "extension declined a supported call"
+        self.m.unflatten_(flat, params)
 
     def delta(self, anchor, params, out, scale=1.0):
-        assert self.m.delta(anchor, params, out, scale), "extension declined a supported call"
+        assert self.m.delta(anchor, params, out, scale) is None
         return out
 
     def apply_(self, flat, params, anchor=None):
-        assert self.m.apply_(flat, params, anchor), "extension declined a supported call"
+        self.m.apply_(flat, params, anchor)
 
 
-@pytest.fixture(params=["ext", "ext_scalar", "fallback"])
+FOREACH = ops._FOREACH  # _fallback.foreach_flatten, ... under the ops' names
+
+
+@pytest.fixture(params=["ext", "ext_scalar", "foreach", "reference"])
 def impl(request):
     """ext_scalar: the extension with its CPU vector (AVX2/F16C) bodies off."""
-    if request.param == "fallback":
+    if request.param == "reference":
         yield _fallback
+        return
+    if request.param == "foreach":
+        yield FOREACH
         return
     m = _ext_module()
     if request.param == "ext":
@@ -330,57 +338,223 @@ def test_bumps_version_counter(impl):
     assert out._version > vo
 
 
+# ---------------------------------------------------------------- foreach vs reference vs ext
+
+def _mixed_params(pdt, layout, seed):
+    """Parameters of the dtypes ``pdt`` (cycled), in one of a few layouts, with empties."""
+    shapes = [(2, 3, 5, 7), (9,), (5, 9), (0,), (40,), (0, 3), (17,), (33, 65)]
+    ps = []
+    for i, shape in enumerate(shapes):
+        dt = pdt[i % len(pdt)]
+        t = values(max(1, math.prod(shape)), dt, seed + i)[: math.prod(shape)].view(shape)
+        if layout == "noncontig" and t.dim() == 4:
+            t = t.contiguous(memory_format=torch.channels_last)
+        elif layout == "noncontig" and t.dim() == 2 and t.numel():
+            t = t.t().contiguous().t()  # transposed view of the same logical values
+        elif layout == "noncontig" and t.numel() == 40:
+            t = torch.stack([t, t], dim=1)[:, 0]  # strided
+        ps.append(t)
+    return ps
+
+
+MIXES = [pytest.param(pdt, fd, ad, layout,
+                      id=f"{'+'.join(_SHORT[d] for d in pdt)}-{_SHORT[fd]}-{_SHORT[ad]}-{layout}")
+         for pdt, fd, ad in [
+             ((torch.float32,), torch.float16, torch.float32),
+             ((torch.float16,), torch.float16, torch.float16),
+             ((torch.bfloat16,), torch.bfloat16, torch.bfloat16),
+             ((torch.float16, torch.bfloat16), torch.float32, torch.bfloat16),
+             ((torch.float32, torch.float16, torch.bfloat16), torch.bfloat16, torch.float16),
+             ((torch.float64,), torch.float16, torch.float64),
+             ((torch.float64,), torch.float32, torch.float16),
+             ((torch.float32,), torch.float64, torch.float32),
+             ((torch.float16,), torch.bfloat16, torch.float64),
+             ((torch.float64, torch.float32, torch.float16), torch.float32, torch.float32),
+             ((torch.float64, torch.bfloat16), torch.float16, torch.bfloat16),
+             ((torch.bfloat16, torch.float64), torch.float64, torch.float64),
+         ]
+         for layout in ("contig", "noncontig")]
+
+
+def _impls_for(tensors):
+    impls = {"reference": _fallback, "foreach": FOREACH}
+    m = _ext.load_extension()
+    if m is not None and all(t.dtype in DTYPES for t in tensors):
+        impls["ext"] = _Ext(m)
+    return impls
+
+
+def _same_across(results):
+    names = list(results)
+    for name in names[1:]:
+        for i, (a, b) in enumerate(zip(results[name], results[names[0]])):
+            assert_bits(a, b, f"{name} vs {names[0]} tensor {i}")
+
+
+@pytest.mark.parametrize("pdt,fd,ad,layout", MIXES)
+def test_tiers_agree(pdt, fd, ad, layout):
+    """Each op under every implementation that takes the call: identical bits."""
+    ps = _mixed_params(pdt, layout, seed=21)
+    n = numel(ps)
+    anchor = values(n, ad, seed=22)
+    flat = values(n, fd, seed=23)
+    for scale in (None, 1.0, 1.0 / 3.0, 1e30):
+        res = {name: [impl.flatten(ps, torch.full((n,), 7.0, dtype=fd), scale)]
+               for name, impl in _impls_for([*ps, flat]).items()}
+        _same_across(res)
+        if scale is not None:
+            res = {name: [impl.delta(anchor, ps, torch.full((n,), 7.0, dtype=fd), scale)]
+                   for name, impl in _impls_for([*ps, flat, anchor]).items()}
+            _same_across(res)
+    res = {}
+    for name, impl in _impls_for([*ps, flat]).items():
+        qs = [p.clone() for p in ps]  # clone keeps the layout
+        impl.unflatten_(flat, qs)
+        res[name] = qs
+    _same_across(res)
+    for i, (q, e) in enumerate(zip(res["reference"], ref_split(flat, ps))):
+        assert_bits(q, e, f"unflatten params[{i}]")
+    same = [p.to(pdt[0]) for p in ps]  # apply_'s anchor has the parameters' dtype
+    res = {}
+    for name, impl in _impls_for([*same, flat]).items():
+        qs = [p.clone() for p in same]
+        an = torch.empty(n, dtype=pdt[0])
+        impl.apply_(flat, qs, an)
+        res[name] = [*qs, an]
+    _same_across(res)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_foreach_steps_split_tensors(monkeypatch, chunk):
+    """Small CPU steps: tensors split across steps and steps spanning tensors."""
+    monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
+    ps = _mixed_params((torch.float32, torch.float16, torch.float64), "noncontig", seed=41)
+    n = numel(ps)
+    anchor = values(n, torch.bfloat16, seed=42)
+    for od in (torch.float16, torch.float32):
+        assert_bits(FOREACH.flatten(ps, torch.empty(n, dtype=od), 0.75),
+                    _fallback.flatten(ps, torch.empty(n, dtype=od), 0.75), "flatten")
+        assert_bits(FOREACH.delta(anchor, ps, torch.empty(n, dtype=od), 0.1),
+                    _fallback.delta(anchor, ps, torch.empty(n, dtype=od), 0.1), "delta")
+
+
+def test_foreach_delta_aliasing_and_scale_one():
+    """out may be the anchor itself; scale 1.0 gives (anchor - p) exactly."""
+    ps = make_params("odd", torch.float32, "cpu", seed=31)
+    n = numel(ps)
+    ref = _fallback.delta(values(n, torch.float32, 32), ps, torch.empty(n), 1.0)
+    a = values(n, torch.float32, 32)
+    assert FOREACH.delta(a, ps, a, 1.0) is a
+    assert_bits(a, ref, "delta into its own anchor")
+
+
 # ---------------------------------------------------------------- errors
 
 def _bad_calls():
+    """name -> (call, exception type, start of the message) for ``ops``."""
     f32, f16 = torch.float32, torch.float16
     p = [torch.ones(3), torch.ones(2, 2)]
+    V, T = ValueError, TypeError
     return {
-        "flatten-size": lambda m: m.flatten(p, torch.empty(6)),
-        "flatten-2d": lambda m: m.flatten(p, torch.empty(7, 1)),
-        "flatten-strided": lambda m: m.flatten(p, torch.empty(14)[::2]),
-        "flatten-int-param": lambda m: m.flatten([torch.ones(3, dtype=torch.int32)], torch.empty(3)),
-        "flatten-int-out": lambda m: m.flatten(p, torch.empty(7, dtype=torch.int64)),
-        "flatten-f64-size": lambda m: m.flatten([torch.ones(3, dtype=torch.float64)], torch.empty(4)),
-        "flatten-device": lambda m: m.flatten([torch.ones(3, device="meta")], torch.empty(3)),
-        "flatten-not-tensor": lambda m: m.flatten([torch.ones(3), 1.0], torch.empty(4)),
-        "flatten-out-not-tensor": lambda m: m.flatten(p, [0.0] * 7),
-        "unflatten-size": lambda m: m.unflatten_(torch.empty(8), p),
-        "unflatten-bool": lambda m: m.unflatten_(torch.empty(7, dtype=torch.bool), p),
-        "delta-anchor-size": lambda m: m.delta(torch.empty(6), p, torch.empty(7)),
-        "delta-out-size": lambda m: m.delta(torch.empty(7), p, torch.empty(8, dtype=f16)),
-        "delta-out-int": lambda m: m.delta(torch.empty(7), p, torch.empty(7, dtype=torch.int8)),
-        "apply-anchor-dtype": lambda m: m.apply_(torch.empty(7), p, torch.empty(7, dtype=f16)),
-        "apply-anchor-size": lambda m: m.apply_(torch.empty(7, dtype=f32), p, torch.empty(6)),
+        "flatten-size": (lambda m: m.flatten(p, torch.empty(6)), V,
+                         "flatten: out has 6 elements but the parameters hold 7"),
+        "flatten-2d": (lambda m: m.flatten(p, torch.empty(7, 1)), V,
+                       "flatten: out must be a contiguous 1-D tensor, got shape (7, 1)"),
+        "flatten-strided": (lambda m: m.flatten(p, torch.empty(14)[::2]), V,
+                            "flatten: out must be a contiguous 1-D tensor"),
+        "flatten-int-param": (lambda m: m.flatten([torch.ones(3, dtype=torch.int32)], torch.empty(3)),
+                              T, "flatten: params[0] has dtype torch.int32; supported dtypes"),
+        "flatten-int-out": (lambda m: m.flatten(p, torch.empty(7, dtype=torch.int64)), T,
+                            "flatten: out has dtype torch.int64"),
+        "flatten-f64-size": (lambda m: m.flatten([torch.ones(3, dtype=torch.float64)], torch.empty(4)),
+                             V, "flatten: out has 4 elements"),
+        "flatten-device": (lambda m: m.flatten([torch.ones(3, device="meta")], torch.empty(3)), V,
+                           "flatten: params[0] is on meta but out is on cpu"),
+        "flatten-not-tensor": (lambda m: m.flatten([torch.ones(3), 1.0], torch.empty(4)), T,
+                               "flatten: params[1] must be a torch.Tensor, got float"),
+        "flatten-out-not-tensor": (lambda m: m.flatten(p, [0.0] * 7), T,
+                                   "flatten: out must be a torch.Tensor, got list"),
+        "unflatten-size": (lambda m: m.unflatten_(torch.empty(8), p), V,
+                           "unflatten_: flat has 8 elements"),
+        "unflatten-bool": (lambda m: m.unflatten_(torch.empty(7, dtype=torch.bool), p), T,
+                           "unflatten_: flat has dtype torch.bool"),
+        "delta-anchor-size": (lambda m: m.delta(torch.empty(6), p, torch.empty(7)), V,
+                              "delta: anchor has 6 elements"),
+        "delta-out-size": (lambda m: m.delta(torch.empty(7), p, torch.empty(8, dtype=f16)), V,
+                           "delta: out has 8 elements"),
+        "delta-out-int": (lambda m: m.delta(torch.empty(7), p, torch.empty(7, dtype=torch.int8)), T,
+                          "delta: out has dtype torch.int8"),
+        "apply-anchor-dtype": (lambda m: m.apply_(torch.empty(7), p, torch.empty(7, dtype=f16)), T,
+                               "apply_: anchor has dtype torch.float16 but params[0] has torch.float32"),
+        "apply-anchor-size": (lambda m: m.apply_(torch.empty(7, dtype=f32), p, torch.empty(6)), V,
+                              "apply_: anchor has 6 elements"),
     }
 
 
 @pytest.mark.parametrize("name", list(_bad_calls()))
-def test_same_error_type(name):
-    call = _bad_calls()[name]
-    with pytest.raises((TypeError, ValueError)) as ref:
-        call(_fallback)
-    m = _ext_module()
-    with pytest.raises(ref.type) as got:
-        call(m)
-    assert type(got.value) is ref.type
-    with pytest.raises(ref.type):  # and through the public dispatch
+def test_error_type_and_message(name):
+    call, exc, msg = _bad_calls()[name]
+    with pytest.raises(exc) as got:
         call(ops)
+    assert type(got.value) is exc
+    assert str(got.value).startswith(msg), str(got.value)
 
 
-# ---------------------------------------------------------------- dispatch and loading
+@pytest.mark.parametrize("name", ["flatten-size", "flatten-2d", "flatten-strided", "flatten-int-out",
+                                  "unflatten-size", "delta-anchor-size", "delta-out-size",
+                                  "apply-anchor-dtype", "apply-anchor-size"])
+def test_extension_asserts_its_invariants(name):
+    """Unvalidated calls into the binding fail loudly instead of writing out of bounds."""
+    call = _bad_calls()[name][0]
+    with pytest.raises(RuntimeError):
+        call(_ext_module())
 
-def test_ops_dispatch_float64_and_backend():
+
+# ---------------------------------------------------------------- routing and loading
+
+def test_routing():
     m = _ext.load_extension()
     assert ops.backend() == ("extension" if m is not None else "fallback")
-    ps = [torch.arange(3.0, dtype=torch.float64), torch.ones(2, dtype=torch.float16)]
-    out = torch.empty(5, dtype=torch.float32)
+    f32, f16, f64 = torch.ones(3), torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.float64)
+    fast = "extension" if m is not None else "foreach"
+    assert ops._route([torch.empty(6)], [f32, f16]) == fast
+    assert ops._route([torch.empty(6, dtype=torch.bfloat16)], [f32.t(), f16]) == fast
+    assert ops._route([torch.empty(6)], [f32, f64]) == "foreach"  # float64: never the extension
+    assert ops._route([torch.empty(3, dtype=torch.float64)], [f32]) == "foreach"
+    assert ops._route([torch.empty(3)], [torch.nn.Parameter(f32)]) == fast
+    assert ops._route([torch.empty(6)], [f32, f16.as_subclass(_Sub)]) == "reference"  # a tensor subclass
+    meta = torch.empty(3, device="meta")
+    assert ops._route([meta], [meta]) == "reference"  # no foreach kernels on meta
     if m is not None:
-        assert m.flatten(ps, out, 2.0) is False  # float64 is handed to the fallback
-    ops.flatten(ps, out, scale=2.0)
-    assert out.tolist() == [0.0, 2.0, 4.0, 2.0, 2.0]
-    ops.unflatten_(torch.arange(5.0), (p for p in ps))  # any iterable of tensors
-    assert ps[0].tolist() == [0.0, 1.0, 2.0] and ps[1].tolist() == [3.0, 4.0]
+        with pytest.raises(RuntimeError):  # and the binding refuses what it cannot run
+            m.flatten([f64], torch.empty(3))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_ops_runs_every_route(monkeypatch):
+    """The public ops give the same bits whichever implementation ``_route`` picks."""
+    routes = ["foreach", "reference"] + (["extension"] if _ext.load_extension() is not None else [])
+    ps = make_params("noncontig", torch.float32, "cpu", seed=11)
+    ps[1] = ps[1].half()
+    n = numel(ps)
+    anchor = values(n, torch.float32, seed=12)
+    results = {}
+    for route in routes:
+        monkeypatch.setattr(ops, "_route", lambda flats, params, r=route: r)
+        out = ops.flatten(ps, torch.empty(n, dtype=torch.bfloat16), 0.25)
+        d = ops.delta(anchor, ps, torch.empty(n, dtype=torch.float16), 1.0 / 3.0)
+        qs = [p.clone() for p in ps]
+        ops.unflatten_(anchor, qs)
+        an = torch.empty(n)
+        ops.apply_(anchor, [q.float() for q in qs], an)
+        results[route] = [out, d, *qs, an]
+    for route in routes[1:]:
+        for i, (a, b) in enumerate(zip(results[route], results[routes[0]])):
+            assert_bits(a, b, f"{route} vs {routes[0]} result {i}")
+    assert ops.unflatten_(torch.arange(5.0), (p for p in [torch.ones(3), torch.ones(2)])) is None
 
 
 def test_no_build_at_import_and_disable_env():
@@ -416,7 +590,7 @@ def test_failed_build_warns_once(monkeypatch):
 
 def test_sources_found():
     src = _ext.source_dir()
-    assert {"kernels.h", "ops.cpp", "kernels_cpu.cpp", "kernels_cuda.cu"} <= {f.name for f in src.iterdir()}
+    assert {"kernels.h", "dtypes.h", "ops.cpp", "kernels_cpu.cpp", "kernels_cuda.cu"} <= {f.name for f in src.iterdir()}
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
