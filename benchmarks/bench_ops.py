@@ -1,9 +1,10 @@
-"""Fused bucket ops: the extension vs the fallback vs plain torch, in one run.
+"""Fused bucket ops: the extension vs the foreach tier vs the reference loop vs plain torch.
 
 The parameter list is shaped like a GPT-2-style transformer with ~84M parameters
 (d=768, 10 layers, 16k vocabulary; ~150 tensors). Each case is timed for every
 variant with ``torch.utils.benchmark.Timer(...).blocked_autorange()`` (median), after
-one correctness check that the extension and the fallback agree bit for bit.
+one correctness check that the extension, the foreach tier (``_fallback.foreach_*``)
+and the reference loop (``_fallback.flatten`` ...) agree bit for bit.
 
 GB/s counts the bytes the op must move (read + write, e.g. 6 B/element for
 fp32 -> fp16), so variants of one case are comparable; ``copy_`` is one contiguous
@@ -26,7 +27,9 @@ import torch
 from torch.utils import benchmark
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from ddp_avg_hooks import _ext, _fallback  # noqa: E402
+from ddp_avg_hooks import _ext, _fallback as F, ops  # noqa: E402
+
+FE = ops._FOREACH  # the foreach tier: _fallback.foreach_flatten, ...
 
 F32, F16 = torch.float32, torch.float16
 
@@ -75,54 +78,45 @@ def main() -> None:
     targets = [torch.empty_like(p) for p in ps]
     ws = 1.0 / 8
 
-    # one correctness check per case before any timing
-    def check(name, run_ext, run_fb, outs):
-        run_ext()
-        got = [o.clone() for o in outs]
-        run_fb()
-        assert all(bits_equal(g, o) for g, o in zip(got, outs)), f"{name}: extension != fallback"
+    # one correctness check per case before any timing: ext, foreach and reference agree
+    def check(name, run, outs):
+        got = []
+        for impl in (C, FE, F):
+            run(impl)
+            got.append([o.clone() for o in outs])
+        assert all(bits_equal(g, o) for r in got[1:] for g, o in zip(r, got[0])), \
+            f"{name}: the implementations differ"
 
-    check("flatten f32->f16", lambda: C.flatten(ps, flat16, None),
-          lambda: _fallback.flatten(ps, flat16), [flat16])
-    check("flatten f32->f16 *s", lambda: C.flatten(ps, flat16, ws),
-          lambda: _fallback.flatten(ps, flat16, ws), [flat16])
-    check("delta f32->f16", lambda: C.delta(anchor32, ps, flat16, ws),
-          lambda: _fallback.delta(anchor32, ps, flat16, ws), [flat16])
-    check("unflatten f16->f32", lambda: C.unflatten_(wire16, targets),
-          lambda: _fallback.unflatten_(wire16, targets), targets)
-    check("apply f32", lambda: C.apply_(src32, targets, flat32),
-          lambda: _fallback.apply_(src32, targets, flat32), targets + [flat32])
+    check("flatten f32->f16", lambda m: m.flatten(ps, flat16, None), [flat16])
+    check("flatten f32->f16 *s", lambda m: m.flatten(ps, flat16, ws), [flat16])
+    check("delta f32->f16", lambda m: m.delta(anchor32, ps, flat16, ws), [flat16])
+    check("delta f32->f32", lambda m: m.delta(anchor32, ps, flat32, ws), [flat32])
+    check("unflatten f16->f32", lambda m: m.unflatten_(wire16, targets), targets)
+    check("apply f32", lambda m: m.apply_(src32, targets, flat32), targets + [flat32])
     assert bits_equal(torch._utils._flatten_dense_tensors(ps).half(),
-                      _fallback.flatten(ps, flat16)), "flatten_dense().half() differs"
+                      F.flatten(ps, flat16)), "flatten_dense().half() differs"
 
-    g = dict(C=C, F=_fallback, ps=ps, flat32=flat32, flat16=flat16, src32=src32,
+    g = dict(C=C, FE=FE, F=F, ps=ps, flat32=flat32, flat16=flat16, src32=src32,
              anchor32=anchor32, wire16=wire16, targets=targets, ws=ws,
              flatten_dense=torch._utils._flatten_dense_tensors)
+
+    def tiers(call: str) -> list[tuple[str, str]]:
+        return [(v, f"{m}.{call}") for v, m in (("ext", "C"), ("foreach", "FE"), ("reference", "F"))]
+
     # (case, bytes moved per element, [(variant, stmt)])
     cases = [
-        ("flatten f32->f16", 6, [
-            ("ext", "C.flatten(ps, flat16, None)"),
-            ("fallback", "F.flatten(ps, flat16)"),
+        ("flatten f32->f16", 6, tiers("flatten(ps, flat16, None)") + [
             ("flatten_dense().half()", "flatten_dense(ps).half()"),
             ("copy_ flat f32->f16", "flat16.copy_(src32)"),
         ]),
-        ("flatten f32->f32", 8, [
-            ("ext", "C.flatten(ps, flat32, None)"),
-            ("fallback", "F.flatten(ps, flat32)"),
+        ("flatten f32->f16 *s", 6, tiers("flatten(ps, flat16, ws)")),
+        ("flatten f32->f32", 8, tiers("flatten(ps, flat32, None)") + [
             ("flatten_dense()", "flatten_dense(ps)"),
         ]),
-        ("delta f32,f32->f16 *s", 10, [
-            ("ext", "C.delta(anchor32, ps, flat16, ws)"),
-            ("fallback", "F.delta(anchor32, ps, flat16, ws)"),
-        ]),
-        ("unflatten f16->f32", 6, [
-            ("ext", "C.unflatten_(wire16, targets)"),
-            ("fallback", "F.unflatten_(wire16, targets)"),
-        ]),
-        ("apply f32->params+anchor", 12, [
-            ("ext", "C.apply_(src32, targets, flat32)"),
-            ("fallback", "F.apply_(src32, targets, flat32)"),
-        ]),
+        ("delta f32,f32->f16 *s", 10, tiers("delta(anchor32, ps, flat16, ws)")),
+        ("delta f32,f32->f32 *s", 12, tiers("delta(anchor32, ps, flat32, ws)")),
+        ("unflatten f16->f32", 6, tiers("unflatten_(wire16, targets)")),
+        ("apply f32->params+anchor", 12, tiers("apply_(src32, targets, flat32)")),
     ]
 
     if dev.startswith("cuda"):
