@@ -27,25 +27,16 @@
 
 namespace dah {
 
-DAH_HD uint32_t f2u(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-#endif
+// The bits of one 4-byte type as another (memcpy compiles to a register move, host and device).
+template <class To, class From>
+DAH_HD To bits_as(From x) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as: sizes differ");
+  To y;
+  memcpy(&y, &x, sizeof y);
+  return y;
 }
-
-DAH_HD float u2f(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
+DAH_HD uint32_t f2u(float f) { return bits_as<uint32_t>(f); }
+DAH_HD float u2f(uint32_t u) { return bits_as<float>(u); }
 
 // IEEE half -> float (exact); host: after c10::detail::fp16_ieee_to_fp32_value.
 DAH_HD float half_to_float(uint16_t h) {

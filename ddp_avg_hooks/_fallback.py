@@ -212,12 +212,8 @@ def foreach_unflatten_(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> No
 
 
 @torch.no_grad()
-def foreach_delta(
-    anchor: torch.Tensor,
-    params: Sequence[torch.Tensor],
-    out: torch.Tensor,
-    scale: float = 1.0,
-) -> torch.Tensor:
+def foreach_delta(anchor: torch.Tensor, params: Sequence[torch.Tensor], out: torch.Tensor,
+                  scale: float = 1.0) -> torch.Tensor:
     """:func:`delta` with ``torch._foreach_*`` ops."""
     for dt, (ps, av, ov) in _groups(params, anchor, out).items():
         _scaled(_compute_dtype(anchor.dtype, dt, out.dtype), ov, av, ps, scale)
