@@ -31,17 +31,17 @@ test: ext
 demo: install
 	PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m harness.demo
 
-# The end-to-end benchmarks of issues 5 and 7 (about an hour on 2 cores; needs root for
+# The end-to-end benchmarks (about an hour on 2 cores; needs root for
 # the network namespaces, else loopback only). `make bench-sweep`: DiLoCo's tuning sweep.
 bench: ext
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_train.py --profiles 100mbit --steps 800 --eval-every 40 \
 	  --variants ddp,none,torch_localsgd,allreduce,allreduce_overlap,fp16_overlap,diloco,diloco_fp16 \
-	  --out benchmarks/results/issue7 \
-	  --title "Issue 7 variants: overlap (period 8) and DiLoCo (period 32), ~1M-parameter model, 100 Mbit/s, 800-step budget"
+	  --out benchmarks/results/overlap_diloco \
+	  --title "Overlap (period 8) and DiLoCo (period 32), ~1M-parameter model, 100 Mbit/s, 800-step budget"
 	$(PY) benchmarks/bench_train.py --profiles 100mbit --nproc 4 --period 16 \
 	  --variants ddp,none,allreduce,hierarchical --out benchmarks/results/hierarchy \
-	  --title "Issue 7: hierarchical averaging, 2 nodes x 2 ranks, 100 Mbit/s between the nodes"
+	  --title "Hierarchical averaging, 2 nodes x 2 ranks, 100 Mbit/s between the nodes"
 	$(PY) benchmarks/bench_overlap_staleness.py
 
 bench-sweep: ext

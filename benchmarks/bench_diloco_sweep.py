@@ -1,4 +1,4 @@
-"""DiLoCo at period 32 against DDP, each at its own learning rate: the sweep behind issue 7.
+"""DiLoCo at period 32 against DDP, each at its own learning rate: the sweep behind its tuning.
 
 Validation loss depends on the samples seen, not on the network, so this runs on loopback
 (2 CPU ranks, the ~1M-parameter ``bench`` preset): DDP's AdamW learning rate over
@@ -9,7 +9,7 @@ lowest final loss of the DDP runs (DDP at its best learning rate); a run "reache
 its first validation at or below it. Bytes are those rank 0 handed to collectives, so
 "x fewer bytes" is DDP's bytes to the target over the run's.
 
-Outputs ``benchmarks/results/diloco_sweep.json`` and the section "DiLoCo sweep (issue 7)"
+Outputs ``benchmarks/results/diloco_sweep.json`` and the section "DiLoCo sweep"
 of ``benchmarks/RESULTS.md``. About 25 minutes on 2 cores; ``--reuse`` keeps runs whose
 ``metrics.json`` already exists under ``--runs-dir``.
 
@@ -26,7 +26,7 @@ import time
 from harness import launch, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SECTION = "## DiLoCo sweep (issue 7)"
+SECTION = "## DiLoCo sweep"
 DDP_STEPS, DILOCO_STEPS, PERIOD = 800, 1600, 32
 CHECKPOINTS = (200, 400, 800, 1200, 1600)
 

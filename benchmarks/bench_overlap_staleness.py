@@ -8,8 +8,8 @@ else about the link). Grid: periods 8 and 32, delays 0 to ~one period of steps, 
 blocking rounds at the same period and no communication at all; 2 ranks, the ~1M-parameter
 ``bench`` preset, AdamW lr 1e-3, 400 steps.
 
-Outputs ``benchmarks/results/overlap_staleness.json`` and the section "Overlap staleness
-(issue 7)" of ``benchmarks/RESULTS.md``. About 6 minutes on 2 cores.
+Outputs ``benchmarks/results/overlap_staleness.json`` and the section "Overlap staleness"
+of ``benchmarks/RESULTS.md``. About 6 minutes on 2 cores.
 
     python benchmarks/bench_overlap_staleness.py
 """
@@ -25,7 +25,7 @@ import time
 from harness import launch, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SECTION = "## Overlap staleness (issue 7)"
+SECTION = "## Overlap staleness"
 STEPS, LR = 400, "1e-3"
 # (hook, period, delay seconds)
 GRID = [("none", 8, 0.0), ("allreduce", 8, 0.0), ("allreduce_overlap", 8, 0.0),

@@ -18,7 +18,7 @@ Python stdlib source) for every variant, under every profile, in this one invoca
 Outputs: ``benchmarks/results/train_<profile>.json`` (every run: config, summary,
 validation curve, per-step columns), ``benchmarks/results/train_summary.json`` (the rows),
 ``benchmarks/results/train.png`` (validation loss vs wall-clock and vs MB sent) and the
-section "End-to-end training (issue 5)" of ``benchmarks/RESULTS.md``.
+section "End-to-end training" of ``benchmarks/RESULTS.md``.
 
     python benchmarks/bench_train.py                      # the full run (tens of minutes)
     python benchmarks/bench_train.py --quick              # a smoke test of the pipeline
@@ -43,9 +43,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
             "allreduce", "fp16", "bf16", "powersgd"]
-# issue 7's variants: overlapped rounds, and DiLoCo at period 32
-ISSUE7_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloco_fp16"]
-VARIANTS += ISSUE7_VARIANTS
+# overlapped rounds, and DiLoCo at period 32
+OVERLAP_DILOCO_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloco_fp16"]
+VARIANTS += OVERLAP_DILOCO_VARIANTS
 DILOCO_VARIANTS = {"diloco", "diloco_fp16"}
 DILOCO_PERIOD = 32
 # hierarchical averaging: two "nodes" (namespaces) of --nproc / 2 ranks; not in the default
@@ -282,12 +282,12 @@ def _two_node_record(path: str) -> list[str]:
 
 
 def _targets(rows: list[dict], prof: str) -> list[str]:
-    """The issues' targets, checked against this run's numbers (reported, not asserted)."""
-    lines = [*_issue5_targets(rows, prof), *_issue7_targets(rows, prof)]
+    """The targets, checked against this run's numbers (reported, not asserted)."""
+    lines = [*_speed_targets(rows, prof), *_overlap_diloco_targets(rows, prof)]
     return [*lines, ""] if lines else []
 
 
-def _issue5_targets(rows: list[dict], prof: str) -> list[str]:
+def _speed_targets(rows: list[dict], prof: str) -> list[str]:
     """Our best hook against DDP and PyTorch's local SGD; the loss at equal samples."""
     ours = [r for r in rows if r["variant"] in ("allreduce", "fp16", "bf16", "powersgd")]
     reached = [r for r in ours if r.get("time_to_target_s")]
@@ -313,8 +313,8 @@ def _issue5_targets(rows: list[dict], prof: str) -> list[str]:
     return [line]
 
 
-def _issue7_targets(rows: list[dict], prof: str) -> list[str]:
-    """Issue 7's targets: overlapped steps within 15% of ``none``'s; DiLoCo >= 16x fewer bytes."""
+def _overlap_diloco_targets(rows: list[dict], prof: str) -> list[str]:
+    """Targets of overlap and DiLoCo: overlapped steps within 15% of ``none``'s; DiLoCo >= 16x fewer bytes."""
     by = {r["variant"]: r for r in rows}
     out = []
     none = by.get("none")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for the fused ops (issue 3): run from anywhere on a machine with an NVIDIA GPU.
+# GPU check for the fused ops: run from anywhere on a machine with an NVIDIA GPU.
 #
 #   bash benchmarks/gpu_check.sh            # or: PY=/path/to/python bash benchmarks/gpu_check.sh
 #

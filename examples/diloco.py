@@ -15,28 +15,11 @@ import argparse
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
-
-DIM = 32
-_W = torch.randn(DIM, 8, generator=torch.Generator().manual_seed(1234)) / DIM ** 0.5
-
-
-def batch(gen, n=64):
-    """Synthetic data: y = sum(sin(x @ W)), the same function on every rank."""
-    x = torch.randn(n, DIM, generator=gen)
-    return x, torch.sin(x @ _W).sum(1, keepdim=True)
-
-
-def replica_spread(model):
-    """Largest difference between any two ranks' copies of any parameter (collective)."""
-    v = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    hi, lo = v.clone(), v.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return (hi - lo).max().item()
+from _task import (check_agreement, ddp_bytes, make_model, rank_batches, replica_spread, say,
+                   train_step, validation_loss)
 
 
 def main():
@@ -48,11 +31,7 @@ def main():
     args = p.parse_args()
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(0)
-    ddp = DDP(torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.Tanh(),
-                                  torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))
+    ddp = DDP(make_model())
     inner_opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr)
 
     if args.inner == "fp16":  # the compressed hook keeps its error feedback in HalfDeltaState
@@ -66,37 +45,26 @@ def main():
     handle = dah.register_averaging_hook(ddp, hook, state, period=args.period, optimizer=inner_opt)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)  # no gradient all-reduce
 
-    gen = torch.Generator().manual_seed(100 + rank)
-    x_val, y_val = batch(torch.Generator().manual_seed(7), 1024)
-    with torch.no_grad():
-        say(f"validation loss before training: {F.mse_loss(ddp.module(x_val), y_val).item():.4f}")
+    gen = rank_batches()
+    say(f"validation loss before training: {validation_loss(ddp.module):.4f}")
     worst = 0.0
     for step in range(1, args.steps + 1):
-        x, y = batch(gen)
-        loss = F.mse_loss(ddp(x), y)
-        inner_opt.zero_grad()
-        loss.backward()
         rounds = handle.stats.rounds
-        inner_opt.step()  # and, every `period` steps, a round with its outer step
+        train_step(ddp, inner_opt, gen)  # and, every `period` steps, a round with its outer step
         if handle.stats.rounds > rounds:
             spread = replica_spread(ddp.module)
             worst = max(worst, spread)
-            with torch.no_grad():
-                val = F.mse_loss(ddp.module(x_val), y_val).item()
+            val = validation_loss(ddp.module)
             say(f"step {step:3d}  round {handle.stats.rounds}  validation loss {val:.4f}  "
                 f"replicas differ by {spread:.1e}")
 
     # No handle.average() here: for DiLoCo it would be one more outer step, momentum included.
     # The run ends on a scheduled round instead (--steps 65 = 4 periods of 16, plus 1).
-    with torch.no_grad():
-        say(f"validation loss after {args.steps} steps: {F.mse_loss(ddp.module(x_val), y_val).item():.4f}")
-    grad_bytes = 4 * sum(q.numel() for q in ddp.parameters())
-    sent = handle.stats.bytes_sent
+    say(f"validation loss after {args.steps} steps: {validation_loss(ddp.module):.4f}")
+    sent, ddp_sent = handle.stats.bytes_sent, ddp_bytes(ddp, args.steps)
     say(f"sent {sent / 1e3:.1f} kB in {handle.stats.rounds} rounds ({args.inner}); DDP would send "
-        f"{args.steps * grad_bytes / 1e3:.1f} kB ({args.steps * grad_bytes / sent:.0f}x more)")
-    if worst > 1e-6:
-        raise SystemExit(f"rank {rank}: replicas disagree after a round by {worst:.1e}")
-    say(f"replicas agreed after every round (largest difference {worst:.1e})")
+        f"{ddp_sent / 1e3:.1f} kB ({ddp_sent / sent:.0f}x more)")
+    check_agreement(worst)
     handle.remove()
     dist.destroy_process_group()
 

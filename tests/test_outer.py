@@ -7,7 +7,6 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
-from _helpers import batch, loss_of, make_model, params_of, train_step
+from _helpers import loss_of, make_model, params_of, train_step
 
 LR = 0.05
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import re
 
-SECTION = "## End-to-end training (issue 5)"
+SECTION = "## End-to-end training"
 
 
 def _steps(run: dict) -> int:

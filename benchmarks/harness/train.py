@@ -266,7 +266,7 @@ OURS = {
     "fp16": ("fp16_compress_hook", lambda dah, args: None),
     "bf16": ("bf16_compress_hook", lambda dah, args: None),
     "powersgd": ("powersgd_hook", _powersgd_state),
-    # issue 7: rounds overlapped with training, and a DiLoCo-style outer optimizer
+    # rounds overlapped with training, and a DiLoCo-style outer optimizer
     "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
     "diloco": ("outer_optimizer", _outer_state),
@@ -305,7 +305,8 @@ def delayed_hook(hook, seconds: float):
     """``hook`` whose future completes ``seconds`` after the call (and not before its own).
 
     Emulates a link on which a round takes that long, without a network namespace. The
-    hook's attributes (``needs_anchor``, ``prepare_bucket``, ...) are kept.
+    hook's spec (``ddp_avg_hooks.hook_spec``: ``needs_anchor``, ...) is kept, since
+    ``functools.wraps`` copies it.
     """
     @functools.wraps(hook)
     def delayed(state, bucket):

@@ -29,7 +29,7 @@ def _run(hook, step_s, evals, bytes_per_step):
                        "val_loss": v} for s, v in evals]}
 
 
-def test_issue7_targets_from_bytes_and_step_times(bench_train):
+def test_overlap_diloco_targets_from_bytes_and_step_times(bench_train):
     runs = {
         "ddp": _run("ddp", 0.4, [(100, 2.5), (200, 2.0)], 32e6),
         "none": _run("none", 0.10, [(100, 2.8), (200, 2.4)], 0),
@@ -40,7 +40,7 @@ def test_issue7_targets_from_bytes_and_step_times(bench_train):
         # 4e6 B/step to 400 steps = 1.6e9 B: only 4x fewer
         "diloco_fp16": _run("diloco_fp16", 0.1, [(200, 2.2), (400, 2.0)], 4e6),
     }
-    lines = bench_train._issue7_targets(report.summarize(runs), "100mbit")
+    lines = bench_train._overlap_diloco_targets(report.summarize(runs), "100mbit")
     assert lines == [
         "- Overlap (100mbit): `allreduce_overlap` mean step 1.10x the no-communication step "
         "(target <= 1.15x: met).",
@@ -52,7 +52,7 @@ def test_issue7_targets_from_bytes_and_step_times(bench_train):
         "(target >= 16x: not met).",
     ]
     del runs["diloco_fp16"]["evals"][-1]  # never at or below the target
-    lines = bench_train._issue7_targets(report.summarize(runs), "x")
+    lines = bench_train._overlap_diloco_targets(report.summarize(runs), "x")
     assert lines[-1] == "- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: not met."
 
 
@@ -66,7 +66,7 @@ def test_hierarchical_line_compares_with_flat_averaging(bench_train):
     runs["hierarchical"]["summary"]["handle_stats"] = {"bytes_sent": 2.8e8,
                                                        "node": {"bytes_sent": 1.1e9}}
     rows = bench_train._with_round_bytes(report.summarize(runs), runs)
-    (line,) = bench_train._issue7_targets(rows, "p")
+    (line,) = bench_train._overlap_diloco_targets(rows, "p")
     assert line.startswith("- Hierarchical (p): loss at DDP's budget 2.100 vs 2.200 for flat")
     assert "time to target 28.0 s vs 30.0 s" in line
     assert "280.0 MB vs 300.0 MB, plus 1100.0 MB of node rounds" in line

@@ -100,9 +100,11 @@ def test_delayed_hook_holds_results_back_and_keeps_hook_attributes():
         fut = torch.futures.Future()
         fut.set_result(torch.ones(3))
         return fut
-    hook.needs_anchor = True
+    import ddp_avg_hooks as dah
+
+    dah.averaging_hook(hook, needs_anchor=True)
     delayed = train.delayed_hook(hook, 0.2)
-    assert delayed.needs_anchor and delayed.__name__ == "hook"
+    assert dah.hook_spec(delayed).needs_anchor and delayed.__name__ == "hook"
     t0 = time.perf_counter()
     fut = delayed(None, None)
     assert not fut.done()

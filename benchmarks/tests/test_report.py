@@ -64,14 +64,14 @@ def test_write_section_keeps_other_sections(tmp_path):
     path = tmp_path / "RESULTS.md"
     report.write_section(str(path), "first table")
     assert path.read_text().startswith("# Benchmark results\n")
-    text = path.read_text() + "\n## Ops (issue 3)\n\nops numbers\n"
+    text = path.read_text() + "\n## Ops: fused bucket copies\n\nops numbers\n"
     path.write_text(text)
     report.write_section(str(path), "second table")
     out = path.read_text()
     assert "first table" not in out and "second table" in out
     assert out.count(report.SECTION) == 1
-    assert "## Ops (issue 3)\n\nops numbers" in out
-    assert out.index(report.SECTION) < out.index("## Ops (issue 3)")
+    assert "## Ops: fused bucket copies\n\nops numbers" in out
+    assert out.index(report.SECTION) < out.index("## Ops: fused bucket copies")
 
 
 def test_plot(tmp_path, runs):

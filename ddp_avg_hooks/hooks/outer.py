@@ -49,7 +49,6 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from .._groups import group_of_state, is_member, or_world
 from ..bucket import ParamBucket
