@@ -29,9 +29,9 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(program)], capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stdout.splitlines() if "AveragingStats" in ln]
-    assert len(lines) == 2, proc.stdout  # one per rank
-    assert all("rounds=23" in ln for ln in lines), lines  # 200 steps, warm-up 20, period 8
+    # one line per rank (their output may interleave): 200 steps, warm-up 20, period 8
+    stats = re.findall(r"AveragingStats\(rounds=(\d+)", proc.stdout)
+    assert stats == ["23", "23"], proc.stdout
 
 
 def test_readme_hook_snippets_register_and_average(world1):
