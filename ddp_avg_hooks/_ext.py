@@ -11,8 +11,10 @@ never when the package is imported. In order:
    ``torch.cuda.is_available()`` and a CUDA toolkit (``CUDA_HOME``) is found.
 
    The build lives in ``$TORCH_EXTENSIONS_DIR`` (else torch's default cache) under a
-   folder keyed by Python version, torch version and build, accelerator and machine
-   type, so ABI-incompatible builds never share a folder. ``make ext`` fills it once;
+   folder keyed by Python version, torch version and build, accelerator, machine type
+   and where the package is installed, so ABI-incompatible builds never share a folder
+   and two environments never rebuild each other's. Before a first build, rank 0 says
+   so on stderr. ``make ext`` fills it once;
    later processes only load it (ninja finds nothing to do, ~0.1 s). When several
    processes (DDP ranks) load at once, torch's ``FileBaton`` lock file in the build
    folder lets one build while the others wait. A build killed midway can leave that
@@ -25,6 +27,7 @@ Any failure is reported once with ``warnings.warn`` (the reason included) and gi
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import os
 import platform
@@ -76,8 +79,30 @@ def build_directory(with_cuda: bool) -> Path:
         accel = "cpu"
     py = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     torch_tag = torch.__version__.replace("+", "_")
-    key = f"{py}_{accel}_torch{torch_tag}_{platform.machine()}"
+    # where the sources are installed: two environments sharing the cache never rebuild
+    # each other's extension
+    where = hashlib.sha256(str(source_dir()).encode()).hexdigest()[:10]
+    key = f"{py}_{accel}_torch{torch_tag}_{platform.machine()}_{where}"
     return Path(root) / key / (_NAME + ("_cuda" if with_cuda else ""))
+
+
+def _is_rank_zero() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _announce_build(build_dir: Path) -> None:
+    """Say on rank 0, before a first build in ``build_dir``, what is happening and how to avoid it."""
+    if any(build_dir.glob("*.so")) or not _is_rank_zero():
+        return
+    sys.stderr.write(
+        f"ddp_avg_hooks: building the C++ extension in {build_dir} (about a minute, once per "
+        "install and torch version; the other ranks wait for it). Prebuild it with "
+        "`python -c 'from ddp_avg_hooks import ops; ops.backend()'`, or set "
+        f"{ENV_DISABLE}=1 to use the pure-PyTorch ops.\n"
+    )
+    sys.stderr.flush()
 
 
 def _jit_build(verbose: bool = False) -> ModuleType:
@@ -94,6 +119,7 @@ def _jit_build(verbose: bool = False) -> ModuleType:
         cuda_flags.append("-DDAH_WITH_CUDA")
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
+    _announce_build(build_dir)
     return cpp_extension.load(
         name=_NAME + ("_cuda" if with_cuda else ""),
         sources=sources,

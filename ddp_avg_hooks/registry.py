@@ -21,6 +21,21 @@ from .schedules import PeriodSchedule
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
 
 
+def _unwrap_compiled(model):
+    """The DDP inside ``torch.compile(ddp)``; a compiled non-DDP model is a ``TypeError``."""
+    inner = getattr(model, "_orig_mod", None)
+    if inner is None or not isinstance(model, torch.nn.Module):
+        return model
+    if isinstance(inner, DistributedDataParallel):
+        return inner
+    raise TypeError(
+        "register_averaging_hook: ddp_model is torch.compile of a "
+        f"{type(inner).__name__}, not of a DistributedDataParallel; pass "
+        "torch.compile(DistributedDataParallel(model)) or "
+        "DistributedDataParallel(torch.compile(model))"
+    )
+
+
 def _agree_across_ranks(handle: AveragingHandle, group) -> None:
     """Every rank of ``group`` checks that all registered the same thing."""
     if not is_member(group) or dist.get_world_size(group) == 1:
@@ -68,7 +83,7 @@ def register_averaging_hook(
 
     Args:
         ddp_model: the ``DistributedDataParallel`` model whose trainable parameters
-            (and not those DDP ignores) are averaged.
+            (and not those DDP ignores) are averaged, or ``torch.compile`` of one.
         hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``hooks.allreduce_hook``.
         state: passed to every hook call (``None`` or a process group for the built-ins).
         period: average every ``period`` steps after the warm-up (``>= 1``), or a
@@ -108,6 +123,7 @@ def register_averaging_hook(
         (7, 2)
         >>> handle.remove(); dist.destroy_process_group()
     """
+    ddp_model = _unwrap_compiled(ddp_model)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             "register_averaging_hook: ddp_model must be a "
