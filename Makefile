@@ -17,7 +17,7 @@ PYTEST_FLAGS ?=
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo]"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo,integrations]" "$(TORCH_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed
