@@ -6,7 +6,7 @@ Example:
     (True, True)
 """
 
-from . import grad_hooks, hierarchy, hooks, ops, rounds, schedules
+from . import grad_hooks, hierarchy, hooks, memory, ops, rounds, schedules
 from .bucket import ParamBucket
 from .handle import AveragingHandle, AveragingStats
 from .optim import AveragingOptimizer
@@ -28,6 +28,7 @@ __all__ = [
     "hierarchy",
     "hook_spec",
     "hooks",
+    "memory",
     "needs_anchor",
     "ops",
     "register_averaging_hook",

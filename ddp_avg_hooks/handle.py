@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import memory
 from .bucket import ParamBucket
 from .observers import Reporter
 from .rounds import PendingRound, RoundEngine
@@ -200,6 +201,11 @@ class AveragingHandle:
                                          overlapped=pending.overlapped)
         self.stats.seconds += time.perf_counter() - pending.started
         self._reporter.report_local(self, self.stats.rounds, measured)
+
+    def memory_bytes(self) -> dict[str, dict[str, int]]:
+        """Bytes this registration holds, ``{kind: {device: bytes}}`` (see :mod:`ddp_avg_hooks.memory`)."""
+        policy_buckets = [b for policy in self._policies for b in policy.buckets()]
+        return memory.count(self._engine.buckets, self.state, policy_buckets)
 
     # --- lifecycle --------------------------------------------------------------------
     def _check_alive(self, what: str) -> None:

@@ -67,6 +67,10 @@ class _Residual:
     def zeros(cls, bucket: ParamBucket) -> _Residual:
         return cls(torch.zeros(bucket.numel(), dtype=bucket.dtype, device=bucket.device))
 
+    def _memory_tensors(self):
+        yield "residuals", self.residual
+        yield "scratch", self._send
+
     def send_buffer(self, half_dtype: torch.dtype) -> torch.Tensor:
         if self._send is None or self._send.dtype != half_dtype:
             self._send = torch.empty_like(self.residual, dtype=half_dtype)

@@ -108,6 +108,12 @@ class _BucketMemory:
         self.residual = torch.zeros(bucket.numel(), dtype=dtype, device=dev) if ef else None
 
 
+    def _memory_tensors(self):
+        yield from (("hook_state", t) for t in (self.p, self.q, self.q_init))
+        yield "scratch", self.q_local
+        yield "residuals", self.residual
+
+
 def _save_bucket(mem: _BucketMemory) -> dict:
     entry = {"q": mem.q.clone()}
     if mem.residual is not None:
