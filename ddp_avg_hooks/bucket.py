@@ -151,17 +151,23 @@ class ParamBucket:
         return self._anchor
 
     @torch.no_grad()
-    def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0) -> torch.Tensor:
+    def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """``(anchor() - parameters) * scale`` cast to ``dtype``, in one fused pass.
 
-        Reads the live parameters (not :meth:`buffer`). The result lives in a
-        persistent scratch buffer of this bucket, overwritten by the next ``delta``
-        call with the same dtype: clone it to keep it across rounds.
+        Reads the live parameters (not :meth:`buffer`). The result lives in ``out`` if
+        given (``numel()`` elements; ``bucket.workspace()`` costs no memory when the hook
+        is done with the delta before it writes its result there), else in a persistent
+        scratch buffer of this bucket, overwritten by the next ``delta`` call with the
+        same dtype: clone it to keep it across rounds.
         """
-        dtype = self.dtype if dtype is None else dtype
-        out = self._scratch.get(dtype)
         if out is None:
-            out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
+            dtype = self.dtype if dtype is None else dtype
+            out = self._scratch.get(dtype)
+            if out is None:
+                out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
+        elif dtype is not None and out.dtype != dtype:
+            raise TypeError(f"delta: out has dtype {out.dtype}, dtype= asks for {dtype}")
         return ops.delta(self.anchor(), self._params, out, scale)
 
     def memory(self) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ Example:
     >>> handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None)
     >>> handle.average()
     >>> {kind: d.get("cpu", 0) for kind, d in handle.memory_bytes().items()}
-    {'bucket_buffers': 40, 'anchors': 40, 'scratch': 60, 'residuals': 40, 'hook_state': 0, 'policies': 0}
+    {'bucket_buffers': 40, 'anchors': 40, 'scratch': 20, 'residuals': 40, 'hook_state': 0, 'policies': 0}
     >>> handle.remove(); dist.destroy_process_group()
 """
 

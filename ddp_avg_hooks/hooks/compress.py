@@ -211,7 +211,8 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> tor
     if mem is None:
         send = bucket.delta(half_dtype, scale=scale)  # fused (anchor - params) / ws -> half
     else:
-        corrected = bucket.delta(scale=scale).add_(mem.residual)  # bucket dtype, exact-ish
+        # in the bucket dtype, in the round's workspace: the result overwrites it later
+        corrected = bucket.delta(scale=scale, out=bucket.workspace()).add_(mem.residual)
         send = mem.send_buffer(half_dtype).copy_(corrected)  # the one rounding to half
         _sub_(corrected, send, mem.residual)  # what the rounding lost, sent next round
     bucket.record_sent(send)

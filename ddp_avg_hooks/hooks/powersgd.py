@@ -52,84 +52,9 @@ from ..bucket import ParamBucket
 from ..protocol import averaging_hook
 from ._comm import completed
 from ._per_bucket import PerBucket
+from ._powersgd_memory import BucketMemory, load_bucket, save_bucket
 
 _OWNER = "PowerSGDState"
-
-
-class _Layout:
-    """Where each parameter of a bucket sits, and which are compressed."""
-
-    __slots__ = ("matrices", "exact_runs", "p_numel", "q_numel", "exact_numel")
-
-    def __init__(self, bucket: ParamBucket, rank: int, min_compression_rate: float) -> None:
-        self.matrices: list[tuple[int, int, int, int, int, int]] = []  # (off, n, m, r, p_off, q_off)
-        self.exact_runs: list[tuple[int, int]] = []  # (off, length), merged when adjacent
-        runs: list[list[int]] = []
-        off = p_off = q_off = 0
-        for p in bucket.parameters():
-            numel = p.numel()
-            if p.dim() >= 2 and numel > 0:
-                n = p.shape[0]
-                m = numel // n
-                r = min(rank, n, m)
-                if r * (n + m) * min_compression_rate < n * m:
-                    self.matrices.append((off, n, m, r, p_off, q_off))
-                    p_off += n * r
-                    q_off += m * r
-                    off += numel
-                    continue
-            if numel:
-                if runs and runs[-1][0] + runs[-1][1] == off:
-                    runs[-1][1] += numel
-                else:
-                    runs.append([off, numel])
-            off += numel
-        self.exact_runs = [(o, n) for o, n in runs]
-        self.exact_numel = sum(n for _, n in runs)
-        self.p_numel = p_off + self.exact_numel  # P factors, then the exact tensors
-        self.q_numel = q_off
-
-
-class _BucketMemory:
-    """Per-bucket buffers: factors, warm-start Q, its seed draw, error feedback."""
-
-    __slots__ = ("numel", "layout", "p", "q", "q_local", "q_init", "residual")
-
-    def __init__(self, state: PowerSGDState, bucket: ParamBucket) -> None:
-        self.numel = bucket.numel()
-        dtype = torch.float64 if bucket.dtype == torch.float64 else torch.float32
-        self.layout = _Layout(bucket, state.matrix_approximation_rank, state.min_compression_rate)
-        dev = bucket.device
-        self.p = torch.empty(self.layout.p_numel, dtype=dtype, device=dev)
-        self.q_init = state._draw_q(self.layout.q_numel, bucket.index(), None, dtype, dev)
-        self.q = self.q_init.clone()
-        self.q_local = torch.empty_like(self.q) if state.use_error_feedback else None
-        ef = state.use_error_feedback
-        self.residual = torch.zeros(bucket.numel(), dtype=dtype, device=dev) if ef else None
-
-
-    def _memory_tensors(self):
-        yield from (("hook_state", t) for t in (self.p, self.q, self.q_init))
-        yield "scratch", self.q_local
-        yield "residuals", self.residual
-
-
-def _save_bucket(mem: _BucketMemory) -> dict:
-    entry = {"q": mem.q.clone()}
-    if mem.residual is not None:
-        entry["residual"] = mem.residual.clone()
-    return entry
-
-
-def _load_bucket(mem: _BucketMemory, entry: dict) -> None:
-    for name in ("q", "residual"):
-        mine, saved = getattr(mem, name), entry.get(name)
-        if mine is None or saved is None:
-            continue
-        if mine.numel() != saved.numel():
-            raise ValueError(f"{name} has {mine.numel()} elements here and {saved.numel()} "
-                             "in the checkpoint")
-        mine.copy_(saved)
 
 
 class PowerSGDState:
@@ -231,9 +156,9 @@ class PowerSGDState:
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.seed = seed
         self.round = 0
-        self._memory: PerBucket[_BucketMemory] = PerBucket(
-            _OWNER, create=lambda bucket: _BucketMemory(self, bucket), save=_save_bucket,
-            load=_load_bucket, numel=lambda mem: mem.numel)
+        self._memory: PerBucket[BucketMemory] = PerBucket(
+            _OWNER, create=lambda bucket: BucketMemory(self, bucket), save=save_bucket,
+            load=load_bucket, numel=lambda mem: mem.numel)
 
     # --- randomness ---------------------------------------------------------------------
     def _draw_q(self, numel: int, bucket_index: int, round_: int | None, dtype, device) -> torch.Tensor:
@@ -243,7 +168,7 @@ class PowerSGDState:
         gen.manual_seed(key % (2**63))
         return torch.randn(numel, generator=gen, dtype=dtype).to(device)
 
-    def _bucket_memory(self, bucket: ParamBucket) -> _BucketMemory:
+    def _bucket_memory(self, bucket: ParamBucket) -> BucketMemory:
         return self._memory.get(bucket)
 
     # --- checkpointing --------------------------------------------------------------------
@@ -343,10 +268,13 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         state.round += 1
     mem = state._bucket_memory(bucket)
     layout = mem.layout
-    c = bucket.delta(mem.p.dtype, scale=1.0 / dist.get_world_size(group))
+    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
+    # C lives in the workspace when the dtypes agree: each part of it is read for the
+    # last time before the result overwrites that part
+    c = bucket.delta(mem.p.dtype, scale=1.0 / dist.get_world_size(group),
+                     out=out if out.dtype == mem.p.dtype else None)
     if mem.residual is not None:
         c.add_(mem.residual)
-    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
 
     if round_ < state.start_powersgd_round or not layout.matrices:
         # Exact round: one allreduce of the (error-corrected) delta.
@@ -388,14 +316,14 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
 
     def finish(_fut: torch.futures.Future) -> torch.Tensor:
         for off, n, m, ci, pt, qt, q_off in views:
-            oi, ai = out[off : off + n * m].view(n, m), anchor[off : off + n * m].view(n, m)
-            if oi.dtype == pt.dtype:
-                torch.addmm(ai, pt.t(), qt, alpha=-1, out=oi)  # anchor - P Q^T
-            else:
-                torch.sub(ai, pt.t() @ qt, out=oi)
             if mem.residual is not None:  # E = C - P (C^T P)^T: this rank's projection loss
                 qlt = mem.q_local[q_off : q_off + qt.numel()].view(qt.shape)
                 torch.addmm(ci, pt.t(), qlt, alpha=-1, out=mem.residual[off : off + n * m].view(n, m))
+            oi, ai = out[off : off + n * m].view(n, m), anchor[off : off + n * m].view(n, m)
+            if oi.dtype == pt.dtype:  # may overwrite ci: it is not read again
+                torch.addmm(ai, pt.t(), qt, alpha=-1, out=oi)  # anchor - P Q^T
+            else:
+                torch.sub(ai, pt.t() @ qt, out=oi)
         t = 0
         for off, length in layout.exact_runs:
             torch.sub(anchor[off : off + length], tail[t : t + length], out=out[off : off + length])

@@ -1,0 +1,122 @@
+"""What each averaging hook holds beside the model: RSS and the handle's own count.
+
+Each variant runs in a fresh process (world size 1, gloo, CPU): build the model and DDP,
+read the resident set size (RSS), register, run two rounds (each after an optimizer
+step), read RSS again and ``handle.memory_bytes()``. "extra" is the growth over the
+model's own size (parameters only; the optimizer's state is excluded by measuring the
+baseline after its first step). PyTorch's ``PeriodicModelAverager`` is measured the same
+way, RSS only (it keeps nothing between rounds; its rounds allocate flat copies).
+
+    python benchmarks/bench_memory.py [--mb 80] [--out benchmarks/results/memory.json]
+
+Prints a Markdown table; RSS includes allocator slack, so read it beside the count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+VARIANTS = ["allreduce", "fp16", "fp16_no_ef", "bf16", "powersgd", "diloco", "overlap",
+            "torch_periodic"]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _one(variant: str, mb: float) -> dict:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddp_avg_hooks as dah
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    width = 1024
+    layers = max(1, int(mb * 2**20 / (4 * width * width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        ddp(torch.randn(2, width)).sum().backward()
+        opt.step()
+
+    step()  # gradients exist from here on: not counted
+    gc.collect()
+    base = _rss()
+    h = dah.hooks
+    handle, averager = None, None
+    if variant == "torch_periodic":
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        averager = PeriodicModelAverager(period=1, warmup_steps=0)
+    else:
+        hook, state, options = {
+            "allreduce": (h.allreduce_hook, None, {}),
+            "fp16": (h.fp16_compress_hook, None, {}),
+            "fp16_no_ef": (h.fp16_compress_hook, h.HalfDeltaState(error_feedback=False), {}),
+            "bf16": (h.bf16_compress_hook, None, {}),
+            "powersgd": (h.powersgd_hook, h.PowerSGDState(matrix_approximation_rank=4), {}),
+            "diloco": (h.outer_optimizer(h.allreduce_hook), h.OuterOptimizerState(None), {}),
+            "overlap": (h.allreduce_hook, None, {"overlap": True}),
+        }[variant]
+        handle = dah.register_averaging_hook(ddp, hook, state, **options)
+    for _ in range(2):
+        step()
+        if handle is not None:
+            handle.average()
+        else:
+            averager.average_parameters(model.parameters())
+    gc.collect()
+    out = {"variant": variant, "model_mb": model_bytes / 2**20, "rss_extra": (_rss() - base) / model_bytes}
+    if handle is not None:
+        report = handle.memory_bytes()
+        out["counted_extra"] = dah.memory.total(report) / model_bytes
+        out["by_kind"] = {k: sum(d.values()) / model_bytes for k, d in report.items() if d}
+        handle.remove()
+    dist.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mb", type=float, default=80.0, help="model size in MiB (float32)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.one:
+        print(json.dumps(_one(a.one, a.mb)))
+        return
+    rows = []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for v in a.variants.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--one", v, "--mb", str(a.mb)],
+                              capture_output=True, text=True, env=env, timeout=600)
+        if proc.returncode != 0:
+            raise SystemExit(f"{v} failed:\n{proc.stderr[-2000:]}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"model: {rows[0]['model_mb']:.0f} MiB of float32 parameters, world size 1, two rounds\n")
+    print("| variant | extra (RSS) | extra (handle's count) | by kind (handle's count) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        kinds = ", ".join(f"{k} {x:.2f}x" for k, x in r.get("by_kind", {}).items())
+        counted = f"{r['counted_extra']:.2f}x" if "counted_extra" in r else "n/a"
+        print(f"| {r['variant']} | {r['rss_extra']:.2f}x | {counted} | {kinds} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
