@@ -1,0 +1,60 @@
+"""Run under torchrun (2 ranks) by test_integrations.py: the Trainer example, then where the
+rounds fall (in optimizer steps, with gradient accumulation) and that gradients are local
+between them.
+
+Rank 0 prints one ``check <name>: ...`` line per check; any failed check raises.
+"""
+import os
+import sys
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+import hf_trainer_local_sgd as ex  # noqa: E402
+
+import ddp_avg_hooks as dah  # noqa: E402
+from ddp_avg_hooks.integrations.transformers import add_local_sgd  # noqa: E402
+
+
+def report(name, ok, detail):
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (ok, detail))
+    if dist.get_rank() == 0:
+        print(f"check {name}: {'ok' if all(g[0] for g in got) else 'FAILED'} {[g[1] for g in got]}",
+              flush=True)
+    assert all(g[0] for g in got), (name, got)
+
+
+class Spread(TrainerCallback):
+    """The replicas' largest difference after each optimizer step (added after ours)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.by_step = trainer, {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.by_step[state.global_step] = ex.spread(self.trainer.model)
+
+
+def main():
+    ex.main()
+    trainer = ex.make_trainer(max_steps=13)
+    rounds_at, micro = [], []
+    local_sgd = add_local_sgd(trainer, dah.hooks.fp16_compress_hook, period=4, warmup_steps=4,
+                              on_round=lambda h: rounds_at.append(h.step_count))
+    spread = Spread(trainer)
+    trainer.add_callback(spread)
+    trainer.model.register_forward_hook(lambda *_: micro.append(1))
+    trainer.train()
+    # warm-up 4, period 4: rounds at optimizer steps 5, 9, 13 (s = 4, 8, 12), then the final one
+    report("rounds_at_optimizer_steps", rounds_at == [4, 8, 12, 13] and len(micro) == 26,
+           f"rounds at {rounds_at}, {len(micro)} micro-batches")
+    apart = [s for s in range(1, 14) if spread.by_step[s] > 0]
+    report("gradients_local_after_warmup", apart == [6, 7, 8, 10, 11, 12],
+           f"replicas apart after steps {apart}")
+    report("removed_at_train_end", local_sgd.handle is None and local_sgd.stats.rounds == 4, "")
+
+
+if __name__ == "__main__":
+    main()
