@@ -1,0 +1,82 @@
+"""The framework integrations with the real packages: each example and its checks run in
+one torchrun subprocess (2 CPU ranks, gloo), which prints a ``check <name>: ok`` line per
+check (the checks themselves are in tests/_<framework>_checks.py)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = dict(os.environ, OMP_NUM_THREADS="1", DDP_AVG_HOOKS_DISABLE_EXT="1",
+           TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def _torchrun(script: str, *args: str, timeout: float = 150) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, script), *args]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"{script} exited with {r.returncode}:\n{out[-6000:]}"
+    return r.stdout
+
+
+def _checks(out: str) -> dict[str, str]:
+    return dict(re.findall(r"^check (\w+): (\w+)", out, flags=re.M))
+
+
+def _assert_checks(out: str, names: list[str]) -> None:
+    got = _checks(out)
+    assert got == dict.fromkeys(names, "ok"), out
+
+
+def test_importing_the_package_imports_no_framework():
+    code = ("import sys, ddp_avg_hooks.integrations; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', "
+            "'accelerate') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_lightning(tmp_path):
+    pytest.importorskip("lightning")
+    out = _torchrun("_lightning_checks.py", str(tmp_path))
+    assert re.search(r"lightning: 41 steps, 6 rounds .*replicas differ by 0\.0e\+00", out), out
+    assert "lightning: replicas agree" in out, out
+    _assert_checks(out, [
+        "parity_post_local_sgd",           # bit-identical to DDPStrategy's post-local SGD
+        "replicas_apart_after_local_step",
+        "parity_lightning_cpu_grad_sync",  # and to DDPStrategy as it runs on CPU
+        "cpu_differs_from_local_sgd",
+        "fp16_hook_replicas_agree",
+        "state_dict_on_every_rank",
+        "checkpoint_has_each_ranks_state",
+        "resume_matches_uninterrupted",
+        "resume_with_another_hook_raises",
+    ])
+
+
+def test_accelerate():
+    pytest.importorskip("accelerate")
+    out = _torchrun("_accelerate_checks.py")
+    assert re.search(r"accelerate: 64 micro-batches, 32 optimizer steps, 4 rounds \+ 1 on leaving",
+                     out), out
+    assert "accelerate: replicas agree" in out, out
+    _assert_checks(out, ["parity_accelerate_local_sgd", "replicas_agree_on_exit",
+                         "block_0_rounds_and_agree", "block_1_rounds_and_agree",
+                         "disabled_is_noop"])
+
+
+def test_hf_trainer():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = _torchrun("_hf_checks.py")
+    assert re.search(r"hf trainer: DistributedDataParallel over 2 processes, 21 steps, 6 rounds",
+                     out), out
+    assert "hf trainer: replicas agree" in out, out
+    _assert_checks(out, ["rounds_at_optimizer_steps", "gradients_local_after_warmup",
+                         "removed_at_train_end"])
