@@ -1,7 +1,6 @@
 """Local SGD with Accelerate: ``LocalSGD`` as in ``accelerate.local_sgd``, with this library's hooks.
 
     torchrun --nproc-per-node 2 examples/integrations/accelerate_local_sgd.py
-    (or: accelerate launch --cpu --num_processes 2 examples/integrations/accelerate_local_sgd.py)
 
 Two CPU processes fit a small MLP to a synthetic regression, accumulating gradients over
 2 micro-batches. Gradients are averaged for the first 4 optimizer steps; after that they
@@ -39,6 +38,8 @@ def spread(model) -> float:
 
 def main():
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    # with one process LocalSGD does nothing (as accelerate's does): nothing to show then
+    assert accelerator.num_processes > 1, "run with: torchrun --nproc-per-node 2 " + __file__
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     # prepare() wraps the model in DistributedDataParallel and gives each rank its shard
