@@ -5,10 +5,16 @@ veth pair, and shapes both ends with ``tc ... tbf`` (token bucket: rate limit). 
 would need ``netem``; when the kernel lacks it (``Specified qdisc kind is unknown``) the
 profile says so in :attr:`NetnsPair.notes` and runs without delay.
 
+Each namespace gets an ``/etc/netns/<name>/hosts`` (``ip netns exec`` mounts it over
+``/etc/hosts``) naming localhost and both nodes, so that looking up a peer's address
+answers locally; DNS is out of reach in there, and c10d's reverse lookup of each client
+socket would otherwise fail (``The hostname of the client socket cannot be retrieved``).
+
 Everything created is torn down on exit, even on failure: the context manager's
 ``finally``, an ``atexit`` hook and SIGTERM / SIGINT / SIGHUP handlers all call
 :func:`teardown_all`. Names carry the creating PID (``dah<pid>a``), so
-:func:`cleanup_stale` can remove leftovers of a process that was SIGKILLed.
+:func:`cleanup_stale` can remove leftovers of a process that was SIGKILLed (namespaces
+and their ``/etc/netns`` folders).
 
 Traffic stays inside the namespaces: the veth pair is the only link in them besides
 their own loopback, and no route leads out.
@@ -23,6 +29,7 @@ Example (needs root and ``ip``; the doctest only checks the profile table)::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import re
@@ -38,6 +45,7 @@ __all__ = ["Profile", "PROFILES", "NetnsPair", "netns_available", "teardown_all"
            "cleanup_stale", "measure_throughput"]
 
 PREFIX = "dah"
+ETC_NETNS = "/etc/netns"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +103,53 @@ def teardown_all() -> None:
         names = sorted(_live)
         _live.clear()
     for ns in names:
-        _kill_ns_processes(ns)
-        _run(["ip", "netns", "del", ns], check=False)
+        _delete_ns(ns)
+
+
+def _delete_ns(ns: str) -> None:
+    """Kill what runs in ``ns``, delete it, and remove its ``/etc/netns/<ns>`` files."""
+    _kill_ns_processes(ns)
+    _run(["ip", "netns", "del", ns], check=False)
+    remove_etc(ns)
+
+
+def etc_dir(ns: str) -> str:
+    """``ip netns exec ns`` bind-mounts each file in this folder over the one in ``/etc``."""
+    return os.path.join(ETC_NETNS, ns)
+
+
+def remove_etc(ns: str) -> None:
+    d = etc_dir(ns)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(d, "hosts"))
+    with contextlib.suppress(OSError):  # not there, or holds files someone else put there
+        os.rmdir(d)
+
+
+def hosts_text(nodes: list[tuple[str, str]]) -> str:
+    """An ``/etc/hosts`` for a namespace: localhost (and this machine's name), then the nodes.
+
+    The nodes' entries let a reverse lookup of a peer's address (c10d does one for each
+    client socket) answer from the file instead of asking DNS, which cannot be reached
+    from inside a namespace.
+
+    >>> print(hosts_text([("10.0.0.1", "n1"), ("10.0.0.2", "n2")]), end="")  # doctest: +ELLIPSIS
+    127.0.0.1 localhost...
+    ::1 localhost ip6-localhost ip6-loopback
+    10.0.0.1 n1
+    10.0.0.2 n2
+    ::ffff:127.0.0.1 localhost...
+    ::ffff:10.0.0.1 n1
+    ::ffff:10.0.0.2 n2
+    """
+    me = socket.gethostname()
+    local = "localhost" + (" " + me if me and me != "localhost" else "")
+    lines = [f"127.0.0.1 {local}", "::1 localhost ip6-localhost ip6-loopback"]
+    lines += [f"{addr} {name}" for addr, name in nodes]
+    # a dual-stack listener (c10d's TCPStore) sees IPv4 peers as IPv4-mapped IPv6 addresses,
+    # which the resolver looks up as such: name those too
+    lines += [f"::ffff:127.0.0.1 {local}"] + [f"::ffff:{addr} {name}" for addr, name in nodes]
+    return "\n".join(lines) + "\n"
 
 
 def _kill_ns_processes(ns: str) -> None:
@@ -134,16 +187,21 @@ def cleanup_stale() -> list[str]:
         name = line.split()[0] if line.split() else ""
         m = re.fullmatch(PREFIX + r"(\d+)[a-z]+", name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
-            _kill_ns_processes(name)
-            _run(["ip", "netns", "del", name], check=False)
+            _delete_ns(name)
             removed.append(name)
+    with contextlib.suppress(OSError):  # hosts files left without their namespace
+        for name in os.listdir(ETC_NETNS):
+            m = re.fullmatch(PREFIX + r"(\d+)[a-z]+", name)
+            if m and not os.path.exists(f"/proc/{m.group(1)}") and name not in removed:
+                remove_etc(name)
     return removed
 
 
 class NetnsPair:
     """Two namespaces ``a`` and ``b`` joined by a veth pair, shaped to ``profile``.
 
-    Attributes: ``ns`` (names), ``ifname`` (veth device in each), ``addr`` (IPv4 of each),
+    Attributes: ``ns`` (names, also the nodes' host names in each namespace's hosts
+    file), ``ifname`` (veth device in each), ``addr`` (IPv4 of each),
     ``notes`` (what the profile could not apply, e.g. delay without netem).
     Use as a context manager; ``exec_prefix(i)`` gives the argv prefix that runs a command
     in namespace ``i``.
@@ -179,6 +237,7 @@ class NetnsPair:
                 _run(["ip", "netns", "add", ns])
                 with _lock:
                     _live.add(ns)
+            self._write_hosts()
             a, b = self.ifname
             _run(["ip", "link", "add", a, "netns", self.ns[0], "type", "veth",
                   "peer", "name", b, "netns", self.ns[1]])
@@ -192,6 +251,13 @@ class NetnsPair:
         except BaseException:
             self.teardown()
             raise
+
+    def _write_hosts(self) -> None:
+        text = hosts_text(list(zip(self.addr, self.ns)))
+        for ns in self.ns:
+            os.makedirs(etc_dir(ns), exist_ok=True)
+            with open(os.path.join(etc_dir(ns), "hosts"), "w") as f:
+                f.write(text)
 
     def _shape(self, i: int) -> None:
         p, ns, dev = self.profile, self.ns[i], self.ifname[i]
@@ -220,8 +286,7 @@ class NetnsPair:
                 owned = ns in _live
                 _live.discard(ns)
             if owned:
-                _kill_ns_processes(ns)
-                _run(["ip", "netns", "del", ns], check=False)
+                _delete_ns(ns)
         self._up = False
 
     # -- use -------------------------------------------------------------------------

@@ -26,6 +26,28 @@ def test_pair_is_shaped_and_torn_down():
         r = subprocess.run(pair.exec_prefix(0) + ["ip", "route"], capture_output=True, text=True)
         assert "default" not in r.stdout
     assert not set(pair.ns) & netns.existing_namespaces()
+    assert not any(os.path.exists(netns.etc_dir(ns)) for ns in pair.ns)
+
+
+def test_hosts_file_names_both_nodes():
+    with netns.NetnsPair(netns.PROFILES["1gbit"], tag="h") as pair:
+        for i in (0, 1):
+            with open(os.path.join(netns.etc_dir(pair.ns[i]), "hosts")) as f:
+                text = f.read()
+            assert "localhost" in text
+            for addr, name in zip(pair.addr, pair.ns):
+                assert f"{addr} {name}" in text
+            # inside the namespace, a reverse lookup of the peer answers from that file, for
+            # its IPv4 address and for the IPv4-mapped IPv6 one a dual-stack listener sees
+            peer = pair.addr[1 - i]
+            code = ("import socket\n"
+                    f"print(socket.getnameinfo(({peer!r}, 1), socket.NI_NAMEREQD)[0])\n"
+                    f"print(socket.getnameinfo(('::ffff:' + {peer!r}, 1, 0, 0), socket.NI_NAMEREQD)[0])")
+            r = subprocess.run(pair.exec_prefix(i) + [sys.executable, "-c", code],
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stderr
+            assert r.stdout.split() == [pair.ns[1 - i]] * 2
+    assert not any(os.path.exists(netns.etc_dir(ns)) for ns in pair.ns)
 
 
 def test_teardown_on_exception():
@@ -34,6 +56,20 @@ def test_teardown_on_exception():
         with pair:
             raise RuntimeError("boom")
     assert not set(pair.ns) & netns.existing_namespaces()
+    assert not any(os.path.exists(netns.etc_dir(ns)) for ns in pair.ns)
+
+
+def test_teardown_when_setup_fails(monkeypatch):
+    pair = netns.NetnsPair(netns.PROFILES["100mbit"], tag="f")
+
+    def fail(i):
+        assert os.path.exists(os.path.join(netns.etc_dir(pair.ns[i]), "hosts"))
+        raise RuntimeError("shaping failed")
+    monkeypatch.setattr(pair, "_shape", fail)
+    with pytest.raises(RuntimeError, match="shaping failed"):
+        pair.setup()
+    assert not set(pair.ns) & netns.existing_namespaces()
+    assert not any(os.path.exists(netns.etc_dir(ns)) for ns in pair.ns)
 
 
 _CHILD = """
@@ -66,8 +102,10 @@ def test_teardown_when_the_process_dies(how):
         p.wait(timeout=30)
         if how == "SIGKILL":  # nothing runs in a SIGKILLed process: the next user cleans up
             assert set(names) <= netns.existing_namespaces()
+            assert all(os.path.exists(netns.etc_dir(ns)) for ns in names)
             assert set(names) <= set(netns.cleanup_stale())
         assert not set(names) & netns.existing_namespaces()
+        assert not any(os.path.exists(netns.etc_dir(ns)) for ns in names)
     finally:
         if p.poll() is None:
             p.kill()
