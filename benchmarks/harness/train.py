@@ -39,6 +39,15 @@ whether parameters were averaged), validation records, and a summary. Validation
 :class:`ConsensusEval`); its time is excluded from the training clock.
 ``--stop-at-loss L --min-steps N`` ends the run at the first validation at or below ``L``
 once ``N`` steps are done (the benchmark's "up to twice DDP's budget").
+``--time-budget S`` ends it after the first step at which the training clock reaches ``S``
+seconds (``make demo``: every variant gets DDP's training time), ``--eval-every-s S``
+validates each time that clock passes another multiple of ``S``. Both are decided on rank
+0's clock, read at the end of the step's work, and shared with one small all-reduce after
+every step, so that all ranks validate and stop at the same step. That handshake is
+uncounted in bytes but inside the step's time: it weighs on every variant alike, and on
+local SGD (which would not otherwise wait for its peer every step) a little more.
+``summary.stopped_by`` says which limit ended the run; ``summary.eval_s`` is the time
+spent validating.
 
 Bytes are counted the same way for every variant: the size of every tensor this rank
 passes to ``torch.distributed`` collectives during the step (a counting wrapper around
@@ -414,9 +423,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=32,
                    help="validate the ranks' average model every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-every-s", type=float, default=None,
+                   help="also validate each time the training clock passes another multiple of "
+                        "this many seconds")
     p.add_argument("--stop-at-loss", type=float, default=None,
                    help="stop at the first validation at or below this loss, once past --min-steps")
     p.add_argument("--min-steps", type=int, default=0)
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="stop after the first step at which the training clock reaches this many "
+                        "seconds (--steps stays the upper limit)")
     p.add_argument("--val-frac", type=float, default=0.05)
     p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
@@ -534,6 +549,22 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     steps, evals = [], []
     train_s = 0.0
     total_bytes = 0
+    # per-step decisions taken on rank 0's clock and shared, so that every rank validates
+    # and stops at the same step: [stop now, validate now]
+    control = args.time_budget is not None or bool(args.eval_every_s)
+    next_eval_s = args.eval_every_s or 0.0
+    stopped_by = "steps"
+
+    eval_s = 0.0  # wall time spent validating (off the training clock)
+
+    def validate(i: int) -> None:
+        nonlocal eval_s
+        te = time.perf_counter()
+        evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
+                          train_s=round(train_s, 4), bytes=total_bytes,
+                          val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5)))
+        eval_s += time.perf_counter() - te
+
     dist.barrier()
     wire0 = _read_wire(wire_if)
     for i in range(args.steps):
@@ -549,6 +580,16 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         ta = time.perf_counter()
         averaged = bool(variant.after_step())
         avg_s = time.perf_counter() - ta if averaged else 0.0
+        flags = (0.0, 0.0)
+        if control:  # inside the step's time: it is a per-step handshake the run would not have
+            now = train_s + time.perf_counter() - t0
+            mine = torch.tensor([
+                float(rank == 0 and args.time_budget is not None and now >= args.time_budget),
+                float(rank == 0 and bool(args.eval_every_s) and now >= next_eval_s)])
+            raw_all_reduce(mine)  # SUM of rank 0's flags and zeros: uncounted
+            flags = tuple(mine.tolist())
+            while args.eval_every_s and now >= next_eval_s:
+                next_eval_s += args.eval_every_s
         dt = time.perf_counter() - t0
         nbytes = meter.bytes - b0
         train_s += dt
@@ -560,27 +601,25 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", step_ms=f"{dt * 1e3:.0f}",
                             MB_sent=f"{total_bytes / 1e6:.1f}", refresh=False)
             bar.update(1)
-        if args.eval_every and (i + 1) % args.eval_every == 0 and i + 1 < args.steps:
-            evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
-                              train_s=round(train_s, 4), bytes=total_bytes,
-                              val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5)))
+        if flags[0] > 0:  # the budget is spent: the final validation follows the loop
+            stopped_by = "time_budget"
+            break
+        if i + 1 < args.steps and (flags[1] > 0 or (args.eval_every and (i + 1) % args.eval_every == 0)):
+            validate(i)
             if args.stop_at_loss is not None and i + 1 >= args.min_steps:
                 # rank 0 decides (ranks that never communicate validate different models)
                 stop = torch.tensor([float(rank == 0 and evals[-1]["val_loss"] <= args.stop_at_loss)])
                 raw_all_reduce(stop)  # SUM: untimed, uncounted, like validation
                 if stop.item() > 0:
+                    stopped_by = "stop_at_loss"
                     break
     wire1 = _read_wire(wire_if)
     if bar is not None:
         bar.close()
     done = len(steps)
-    if evals and evals[-1]["step"] == done:  # stopped right after a validation
-        evals[-1]["final"] = True
-    else:
-        evals.append(dict(step=done, samples=done * args.batch_size * world,
-                          train_s=round(train_s, 4), bytes=total_bytes,
-                          val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5),
-                          final=True))
+    if not (evals and evals[-1]["step"] == done):  # unless it stopped right after one
+        validate(done - 1)
+    evals[-1]["final"] = True
     stats = None
     if variant.handle is not None:
         s = variant.handle.stats
@@ -610,6 +649,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         per_rank_train_s=[float(t[0]) for t in all_ranks],
         per_rank_bytes=[int(t[1]) for t in all_ranks],
         handle_stats=stats,
+        stopped_by=stopped_by,
+        eval_s=eval_s,
     )
     result = dict(config=dict(vars(args), world_size=world, steps_done=done, n_params=n_params,
                               torch=torch.__version__, wire_iface=wire_if, ops_backend=ops_backend,
