@@ -43,6 +43,29 @@ def test_ddp_trains_and_counts_gradient_bytes(tmp_path):
     assert os.path.exists(tmp_path / "ddp" / "metrics.json")
 
 
+def test_time_budget_and_timed_validation(tmp_path):
+    budget, every = 1.0, 0.25
+    r = _run("ddp", tmp_path, ["--steps", "100000", "--time-budget", str(budget),
+                               "--eval-every", "0", "--eval-every-s", str(every)])
+    s, done = r["summary"], r["config"]["steps_done"]
+    assert s["stopped_by"] == "time_budget" and done == len(r["steps"]) < 100000
+    clock = [0.0]
+    for rec in r["steps"]:
+        clock.append(clock[-1] + rec["step_s"])
+    # the first step at which the training clock reached the budget is the last one; the
+    # clock is read just before the step's handshake, which the step's time includes: slack
+    slack = 0.05
+    assert clock[-2] < budget + slack and budget <= clock[-1] + 1e-3
+    assert s["train_s"] == pytest.approx(clock[-1], abs=1e-3)
+    assert r["evals"][-1]["step"] == done and r["evals"][-1]["final"]
+    timed = r["evals"][:-1]  # one each time the clock passed another multiple of `every`
+    assert int(clock[-2] // every) - 1 <= len(timed) <= int(clock[-2] // every)
+    for k, e in enumerate(timed, 1):
+        assert clock[e["step"] - 1] < k * every + slack and k * every <= clock[e["step"]] + 1e-3
+        assert e["train_s"] == pytest.approx(clock[e["step"]], abs=1e-3)
+    assert s["eval_s"] > 0
+
+
 def test_local_sgd_trains_and_bytes_agree_with_handle_stats(tmp_path):
     try:
         train.check_available("allreduce")
