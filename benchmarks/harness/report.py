@@ -4,7 +4,10 @@ Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
 
 - *target loss*: the baseline's (DDP's) validation loss at the end of its step budget;
 - *time to target*: training wall-clock (rank 0, validation excluded) at the first
-  validation point whose loss is <= the target; ``None`` ("not reached") otherwise;
+  validation point whose loss is <= the target; ``None`` ("not reached") otherwise
+  (``make demo`` interpolates between that point and the one before it);
+- *equal time* (``make demo``, :func:`summarize_equal_time`): every run trains for the
+  baseline's training time; its loss at equal time is its final validation loss;
 - *MB to target*: bytes rank 0 handed to collectives up to that same validation point;
   *x fewer bytes than DDP*: the baseline's MB to target over the run's;
 - *loss at equal samples*: validation loss at the baseline's last step, and its gap to
@@ -21,6 +24,8 @@ Example::
     ...                  {"step": 4, "train_s": 2.0, "bytes": 0, "val_loss": 2.0}]}
     >>> time_to_target(run, 2.5), time_to_target(run, 1.0), loss_at_step(run, 2)
     (2.0, None, 3.0)
+    >>> time_to_target(run, 2.5, interpolate=True)
+    1.5
     >>> bytes_to_target(run, 2.5), bytes_to_target(run, 1.0)
     (0, None)
 """
@@ -40,9 +45,22 @@ def _first_at_target(run: dict, target: float) -> dict | None:
     return next((e for e in run["evals"] if e["val_loss"] <= target), None)
 
 
-def time_to_target(run: dict, target: float) -> float | None:
-    hit = _first_at_target(run, target)
-    return None if hit is None else hit["train_s"]
+def time_to_target(run: dict, target: float, interpolate: bool = False) -> float | None:
+    """Training seconds at the first validation at or below ``target`` (``None``: never).
+
+    ``interpolate``: linearly between that validation and the one before it (which was
+    above the target), instead of that validation's own time.
+    """
+    evals = run["evals"]
+    k = next((k for k, e in enumerate(evals) if e["val_loss"] <= target), None)
+    if k is None:
+        return None
+    hit = evals[k]
+    if not interpolate or k == 0:
+        return hit["train_s"]
+    prev = evals[k - 1]
+    frac = (prev["val_loss"] - target) / (prev["val_loss"] - hit["val_loss"])
+    return prev["train_s"] + frac * (hit["train_s"] - prev["train_s"])
 
 
 def bytes_to_target(run: dict, target: float) -> int | None:
@@ -96,15 +114,56 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
     return rows
 
 
+def summarize_equal_time(runs: dict[str, dict], baseline: str = "ddp") -> list[dict]:
+    """``make demo``'s rows: every run had the baseline's training time (``--time-budget``).
+
+    Per run (in ``runs`` order): ``steps`` done, ``train_s`` (its training clock at the
+    end), ``val_at_equal_time`` (its final validation, at the end of the budget) and
+    ``gap_pct`` against the baseline's, ``time_to_target_s`` (interpolated time to the
+    baseline's final validation loss; ``None``: not reached), ``speedup`` (the baseline's
+    time to that loss over the run's), ``mean_step_ms`` and ``mb_per_step``.
+    Without the baseline only the per-run columns are filled.
+
+    >>> ev = lambda *pts: [{"step": i, "train_s": t, "bytes": 0, "val_loss": v}
+    ...                    for i, (t, v) in enumerate(pts, 1)]
+    >>> runs = {"ddp": {"config": {"steps": 2}, "evals": ev((1.0, 3.0), (2.0, 2.0)),
+    ...                 "summary": {"train_s": 2.0, "mean_step_s": 1.0, "bytes_per_step": 4e6}},
+    ...         "ls": {"config": {"steps": 8}, "evals": ev((0.5, 2.5), (1.0, 1.5), (2.0, 1.2)),
+    ...                "summary": {"train_s": 2.0, "mean_step_s": 0.25, "bytes_per_step": 1e6}}}
+    >>> [(r["variant"], r["time_to_target_s"], r["speedup"]) for r in summarize_equal_time(runs)]
+    [('ddp', 2.0, 1.0), ('ls', 0.75, 2.6666666666666665)]
+    """
+    base = runs.get(baseline)
+    target = base["evals"][-1]["val_loss"] if base else None
+    base_ttt = time_to_target(base, target, interpolate=True) if base else None
+    rows = []
+    for name, run in runs.items():
+        s = run["summary"]
+        final = run["evals"][-1]["val_loss"]
+        ttt = time_to_target(run, target, interpolate=True) if base else None
+        row = dict(variant=name, steps=_steps(run), train_s=s["train_s"],
+                   val_at_equal_time=final, mean_step_ms=s["mean_step_s"] * 1e3,
+                   mb_per_step=s["bytes_per_step"] / 1e6, stopped_by=s.get("stopped_by"))
+        if base is not None:
+            row.update(gap_pct=100.0 * (final - target) / target, time_to_target_s=ttt,
+                       speedup=base_ttt / ttt if ttt and base_ttt else None)
+        rows.append(row)
+    return rows
+
+
 def _fmt(v, spec: str) -> str:
     if v is None:
         return "n/a"
     return format(v, spec)
 
 
-DEMO_COLUMNS = [("variant", "variant", "s"), ("final val loss", "final_val_loss", ".3f"),
-                ("time/step ms", "mean_step_ms", ".1f"), ("MB/step", "mb_per_step", ".3f"),
-                ("speedup vs DDP", "speedup", ".2f")]
+DEMO_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
+                ("train s", "train_s", ".1f"),
+                ("val loss @ equal time", "val_at_equal_time", ".3f"),
+                ("gap vs DDP", "gap_pct", "+.1f"),
+                ("time to DDP's loss s", "time_to_target_s", ".1f"),
+                ("speedup vs DDP", "speedup", ".2f"),
+                ("time/step ms", "mean_step_ms", ".1f"), ("MB/step", "mb_per_step", ".3f")]
 
 BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
                  ("median step ms", "median_step_ms", ".1f"), ("mean step ms", "mean_step_ms", ".1f"),
@@ -121,11 +180,14 @@ BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
 def markdown_table(rows: list[dict], columns=DEMO_COLUMNS) -> str:
     """A GitHub-flavoured markdown table; ``None`` prints as ``n/a``.
 
-    >>> print(markdown_table([{"variant": "ddp", "final_val_loss": 2.5, "mean_step_ms": 10.0,
-    ...                        "mb_per_step": 1.0, "speedup": 1.0}]))
-    | variant | final val loss | time/step ms | MB/step | speedup vs DDP |
-    |---|---|---|---|---|
-    | ddp | 2.500 | 10.0 | 1.000 | 1.00 |
+    >>> cols = [("variant", "variant", "s"), ("time to target s", "time_to_target_s", ".1f"),
+    ...         ("MB/step", "mb_per_step", ".3f")]
+    >>> print(markdown_table([{"variant": "ddp", "time_to_target_s": 2.0, "mb_per_step": 1.0},
+    ...                       {"variant": "x", "time_to_target_s": None, "mb_per_step": None}], cols))
+    | variant | time to target s | MB/step |
+    |---|---|---|
+    | ddp | 2.0 | 1.000 |
+    | x | not reached | n/a |
     """
     head = "| " + " | ".join(c[0] for c in columns) + " |"
     sep = "|" + "---|" * len(columns)
@@ -162,9 +224,12 @@ def write_section(path: str, body: str, title: str = SECTION) -> None:
         f.write(text.rstrip("\n") + "\n")
 
 
-def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "") -> str | None:
+def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "",
+         target: float | None = None, budget_s: float | None = None) -> str | None:
     """Validation loss against wall-clock and against MB sent, one column per panel.
 
+    ``target``: a horizontal line at that loss (the baseline's final one) in every plot;
+    ``budget_s``: a vertical line at that training time (the equal-time budget).
     Returns the path written, or ``None`` without matplotlib.
     """
     try:
@@ -192,7 +257,11 @@ def plot(runs_by_panel: dict[str, dict[str, dict]], path: str, title: str = "") 
         axes[0][j].set(xlabel="training wall-clock (s)", ylabel="validation loss")
         axes[1][j].set(xlabel="MB sent by rank 0", ylabel="validation loss")
         axes[1][j].set_xscale("symlog", linthresh=1.0)
+        if budget_s is not None:
+            axes[0][j].axvline(budget_s, color="gray", lw=0.8, ls="-.", label="time budget")
         for ax in (axes[0][j], axes[1][j]):
+            if target is not None:
+                ax.axhline(target, color="gray", lw=0.8, ls=":", label="DDP's final loss")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     if title:

@@ -78,3 +78,69 @@ def test_plot(tmp_path, runs):
     pytest.importorskip("matplotlib")
     path = report.plot({"loopback": runs, "100mbit": runs}, str(tmp_path / "p.png"), title="t")
     assert path and (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_time_to_target_interpolates(runs):
+    ours = runs["ours"]  # (0.6 s, 2.04) then (0.9 s, 1.99): 2.0 is 4/5 of the way
+    assert report.time_to_target(ours, 2.0) == 0.9
+    assert report.time_to_target(ours, 2.0, interpolate=True) == pytest.approx(0.84)
+    assert report.time_to_target(ours, 3.5, interpolate=True) == 0.3  # the first eval: its time
+    assert report.time_to_target(ours, 1.0, interpolate=True) is None
+
+
+def _timed(hook, steps_done, evals, mean, bytes_per_step, stopped_by="time_budget"):
+    run = _run(hook, 1000, evals, mean, mean, bytes_per_step)
+    run["config"]["steps_done"] = steps_done
+    run["summary"].update(train_s=evals[-1][1], stopped_by=stopped_by)
+    return run
+
+
+@pytest.fixture
+def equal_time_runs():
+    return {
+        "ddp": _timed("ddp", 4, [(2, 1.0, 20, 3.0), (4, 2.0, 40, 2.0)], 0.5, 10e6, "steps"),
+        # crosses 2.0 between 1.0 s (2.2) and 1.5 s (1.8): at 1.25 s
+        "fast": _timed("fast", 16, [(4, 0.5, 4, 2.6), (8, 1.0, 8, 2.2), (12, 1.5, 12, 1.8),
+                                    (16, 2.01, 16, 1.7)], 0.125, 1e6),
+        "slow": _timed("slow", 8, [(4, 1.0, 4, 2.9), (8, 2.02, 8, 2.4)], 0.25, 1e5),
+    }
+
+
+def test_summarize_equal_time(equal_time_runs):
+    rows = {r["variant"]: r for r in report.summarize_equal_time(equal_time_runs)}
+    assert [r["variant"] for r in report.summarize_equal_time(equal_time_runs)] == ["ddp", "fast", "slow"]
+    assert rows["ddp"]["time_to_target_s"] == 2.0 and rows["ddp"]["speedup"] == 1.0
+    assert rows["fast"]["val_at_equal_time"] == 1.7 and rows["fast"]["steps"] == 16
+    assert rows["fast"]["gap_pct"] == pytest.approx(-15.0)
+    assert rows["fast"]["time_to_target_s"] == pytest.approx(1.25)
+    assert rows["fast"]["speedup"] == pytest.approx(2.0 / 1.25)
+    assert rows["fast"]["mb_per_step"] == 1.0 and rows["fast"]["mean_step_ms"] == 125.0
+    assert rows["fast"]["train_s"] == 2.01 and rows["fast"]["stopped_by"] == "time_budget"
+    assert rows["slow"]["time_to_target_s"] is None and rows["slow"]["speedup"] is None
+    assert rows["slow"]["gap_pct"] == pytest.approx(20.0)
+
+
+def test_summarize_equal_time_without_baseline(equal_time_runs):
+    del equal_time_runs["ddp"]
+    rows = report.summarize_equal_time(equal_time_runs)
+    assert all("time_to_target_s" not in r and "speedup" not in r for r in rows)
+    table = report.markdown_table(rows, report.DEMO_COLUMNS)
+    assert "not reached" not in table and "| fast | 16 | 2.0 | 1.700 | n/a | n/a | n/a |" in table
+
+
+def test_demo_table(equal_time_runs):
+    table = report.markdown_table(report.summarize_equal_time(equal_time_runs), report.DEMO_COLUMNS)
+    lines = table.splitlines()
+    assert lines[0] == ("| variant | steps | train s | val loss @ equal time | gap vs DDP | "
+                        "time to DDP's loss s | speedup vs DDP | time/step ms | MB/step |")
+    assert len(lines) == 2 + len(equal_time_runs)
+    assert lines[2] == "| ddp | 4 | 2.0 | 2.000 | +0.0% | 2.0 | 1.00 | 500.0 | 10.000 |"
+    assert lines[3] == "| fast | 16 | 2.0 | 1.700 | -15.0% | 1.2 | 1.60 | 125.0 | 1.000 |"
+    assert lines[4] == "| slow | 8 | 2.0 | 2.400 | +20.0% | not reached | n/a | 250.0 | 0.100 |"
+
+
+def test_plot_marks_target_and_budget(tmp_path, equal_time_runs):
+    pytest.importorskip("matplotlib")
+    path = report.plot({"net": equal_time_runs}, str(tmp_path / "d.png"), title="t",
+                       target=2.0, budget_s=2.0)
+    assert path and (tmp_path / "d.png").stat().st_size > 10_000
