@@ -28,7 +28,7 @@ ext: install
 test: ext
 	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_FLAGS)
 
-demo: install
+demo: ext
 	PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m harness.demo
 
 # The end-to-end benchmarks (about an hour on 2 cores; needs root for
