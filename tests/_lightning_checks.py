@@ -88,6 +88,14 @@ def main():
     report("fp16_hook_replicas_agree", ex.spread(model) == 0.0,
            f"rounds {cb.stats.rounds}, {cb.stats.bytes_per_round:.0f} B/round")
 
+    # 3b. gradient accumulation: the handle counts optimizer steps, not micro-batches
+    at = []
+    cb = AveragingCallback(period=N, warmup_steps=W, on_round=lambda h: at.append(h.step_count))
+    trainer, model = ex.fit([cb], max_steps=10, accumulate_grad_batches=3)
+    report("accumulation_rounds_at_optimizer_steps",
+           at == [W, W + N, 10] and trainer.global_step == 10 and ex.spread(model) == 0.0,
+           f"rounds at {at} of {trainer.global_step} optimizer steps")
+
     # 4. checkpoint: written by ModelCheckpoint at the end of epoch 1 (32 steps, a round),
     # resumed in a fresh trainer: the same parameters as the run that never stopped
     opts = dict(period=4, warmup_steps=3, optimizer_state="average")

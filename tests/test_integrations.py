@@ -53,6 +53,7 @@ def test_lightning(tmp_path):
         "parity_lightning_cpu_grad_sync",  # and to DDPStrategy as it runs on CPU
         "cpu_differs_from_local_sgd",
         "fp16_hook_replicas_agree",
+        "accumulation_rounds_at_optimizer_steps",
         "state_dict_on_every_rank",
         "checkpoint_has_each_ranks_state",
         "resume_matches_uninterrupted",
