@@ -97,6 +97,7 @@ class AveragingHandle:
         self._optimizer_hook = None
         self._in_flight: PendingRound | None = None
         self._step_count = 0
+        self._rounds_started = 0
         self._removed = False
         self.stats = AveragingStats()
         self._schedule.bind(self.process_group)
@@ -133,6 +134,12 @@ class AveragingHandle:
     @property
     def hook_name(self) -> str:
         return self._engine.name
+
+    @property
+    def rounds_started(self) -> int:
+        """Rounds launched so far: the same on every rank after every step, overlap or not
+        (``stats.rounds`` counts the finished ones)."""
+        return self._rounds_started
 
     def is_averaging_step(self) -> bool:
         """Whether the next ``step()`` runs (or, with ``overlap``, launches) a round."""
@@ -178,6 +185,7 @@ class AveragingHandle:
         extras = [b for policy in self._policies for b in policy.buckets()]
         where = f"round {self.stats.rounds + 1}, step {self._step_count}"
         pending = self._engine.launch(overlapped=overlapped, extras=extras, where=where)
+        self._rounds_started += 1
         if overlapped:
             self._in_flight = pending
         return pending
@@ -244,7 +252,7 @@ class AveragingHandle:
         }
 
     def state_dict(self) -> dict:
-        """This rank's averaging state: counter, anchors, hook state, config.
+        """This rank's averaging state: counter, anchors, hook state, stats, config.
 
         Tensors and plain values only, so ``torch.save`` takes it; it differs between
         ranks (error feedback, local progress), so save one per rank.
@@ -259,6 +267,7 @@ class AveragingHandle:
             "schedule": self._schedule.state_dict(),
             "anchors": [s["anchor"] for s in saved],
             "bucket_memory": [s["memory"] for s in saved],
+            "stats": dataclasses.asdict(self.stats),
         }
         if hasattr(self.state, "state_dict"):
             out["hook_state"] = self.state.state_dict()
@@ -280,7 +289,9 @@ class AveragingHandle:
         self._schedule.load_state_dict(state_dict["schedule"])
         for bucket, entry in zip(self._engine.buckets, saved):
             bucket._load_state_dict(entry)
+        self.stats = AveragingStats(**state_dict["stats"])
         self._step_count = int(state_dict["step_count"])
+        self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
         self._next_round = int(state_dict["next_round"])
 
     def __repr__(self) -> str:
@@ -302,7 +313,7 @@ def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str
     return f"{key!r} differs: {theirs!r} {theirs_at}, {mine!r} {mine_at}"
 
 
-_KEYS = ("step_count", "next_round", "config", "schedule", "anchors", "bucket_memory")
+_KEYS = ("step_count", "next_round", "config", "schedule", "anchors", "bucket_memory", "stats")
 
 
 def _check_checkpoint(state_dict) -> None:

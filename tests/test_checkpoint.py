@@ -1,0 +1,92 @@
+"""Round checkpoints on 2 gloo ranks: stop anywhere, resume the newest round every rank
+completed, end bit-identical to a run that never stopped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from ddp_avg_hooks.checkpoint import RoundCheckpointer
+from _dist import run_ranks
+from _helpers import flat, make_model, train_step
+
+STEPS, PERIOD, WARMUP = 14, 3, 2  # rounds after steps 2, 5, 8, 11
+
+
+def _rank_train(rank, world_size, ckpt_dir, stop_at=None, resume=False, wrapped=False,
+                overlap=False):
+    model = make_model()
+    ddp = DDP(model)
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=PERIOD,
+                                         warmup_steps=WARMUP, overlap=overlap,
+                                         optimizer=None if wrapped else inner)
+    opt = dah.AveragingOptimizer(inner, handle) if wrapped else inner
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, sched, keep=2)
+    restored = ckpt.restore() if resume else None
+    restored_at = (handle.step_count, handle.stats.rounds, handle.stats.bytes_sent)
+    for step in range(handle.step_count, STEPS):
+        if step == stop_at:
+            break
+        train_step(ddp, opt, rank, step)
+        sched.step()
+        ckpt.maybe_save()
+    handle.synchronize()
+    return {"params": flat(model), "rounds": handle.stats.rounds, "bytes": handle.stats.bytes_sent,
+            "steps": handle.step_count, "restored": restored, "restored_at": restored_at,
+            "lr": opt.param_groups[0]["lr"], "completed": ckpt.completed_rounds()}
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["optimizer=", "AveragingOptimizer"])
+def test_stop_and_resume_is_bit_identical(tmp_path, wrapped):
+    straight = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "a"), wrapped=wrapped)
+    first = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), stop_at=10,
+                      wrapped=wrapped)
+    assert first[0]["completed"] == [2, 3]  # rounds after steps 5 and 8; keep=2 pruned round 1
+    resumed = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), resume=True,
+                        wrapped=wrapped)
+    for r in range(2):
+        assert resumed[r]["restored"] == 3
+        # the counter, the schedule and the stats come back as saved: no phantom step
+        assert resumed[r]["restored_at"][:2] == (9, 3)
+        assert torch.equal(resumed[r]["params"], straight[r]["params"])
+        for key in ("rounds", "bytes", "steps", "lr"):
+            assert resumed[r][key] == straight[r][key], key
+    assert not torch.equal(straight[0]["params"], straight[1]["params"])  # local steps after the last round
+
+
+def test_a_round_one_rank_did_not_finish_saving_is_not_used(tmp_path):
+    straight = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "a"))
+    run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), stop_at=10)
+    newest = tmp_path / "b" / "round-00000003"
+    (newest / "rank1.done").unlink()  # rank 1 died while saving round 3: its marker never came
+    (newest / "rank1.pt").write_bytes(b"torn")
+    resumed = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), resume=True)
+    for r in range(2):
+        assert resumed[r]["restored"] == 2 and resumed[r]["restored_at"][:2] == (6, 2)
+        assert torch.equal(resumed[r]["params"], straight[r]["params"])
+
+
+def test_overlapped_rounds_keep_a_model_per_rank(tmp_path):
+    straight = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "a"), overlap=True)
+    run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), stop_at=10, overlap=True)
+    assert sorted(p.name for p in (tmp_path / "b" / "round-00000003").glob("model*")) == [
+        "model_rank0.pt", "model_rank1.pt"]
+    resumed = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), resume=True,
+                        overlap=True)
+    for r in range(2):
+        assert torch.equal(resumed[r]["params"], straight[r]["params"])
+
+
+def test_rejects_bad_settings(world1, tmp_path):
+    ddp = DDP(make_model())
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="every_rounds must be >= 1"):
+        RoundCheckpointer(tmp_path, handle, ddp.module, opt, every_rounds=0)
+    with pytest.raises(TypeError, match="keep must be an int"):
+        RoundCheckpointer(tmp_path, handle, ddp.module, opt, keep=1.5)
