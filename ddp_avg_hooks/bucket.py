@@ -218,18 +218,9 @@ class ParamBucket:
         becomes ``values`` (identical on every rank).
         """
         correction = self._launch.neg_().add_(values.reshape(-1))
-        torch._foreach_add_(self._params, _split_like(correction, self._params))
+        torch._foreach_add_(self._params, split_like(correction, self._params))
         if self._anchor is not None:
             self._anchor.copy_(values.reshape(-1))
-
-    @torch.no_grad()
-    def _squared_distance(self, values: torch.Tensor, *, from_launch: bool = False) -> torch.Tensor:
-        """``||params - values||^2`` in float64 (``from_launch``: the launch snapshot)."""
-        source = _split_like(self._launch, self._params) if from_launch else self._params
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p, v in zip(source, _split_like(values.reshape(-1), self._params)):
-            total += (p.double() - v.double()).pow(2).sum()
-        return total
 
     def _reset_anchor(self) -> None:
         """Make the current parameters the anchor (a no-op without anchors)."""
@@ -270,7 +261,7 @@ class ParamBucket:
         )
 
 
-def _split_like(flat: torch.Tensor, params) -> list[torch.Tensor]:
+def split_like(flat: torch.Tensor, params) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``params``, in order."""
     out, offset = [], 0
     for p in params:

@@ -56,11 +56,9 @@ class AveragingHandle:
     ``PeriodicModelAverager``. (A schedule object as ``period`` decides the distance
     to the next round after each round instead; see ``ddp_avg_hooks.schedules``.)
 
-    With a ``GradScaler``, do not pass ``optimizer=``: the scaler skips
-    ``optimizer.step()`` on a rank whose gradients overflowed, and after the warm-up
-    gradients are local, so it may skip on one rank only. Call ``handle.step()`` every
-    iteration instead, after ``scaler.step(opt); scaler.update()``, so every rank's
-    counter advances together (``verify=True`` catches counters that drift apart).
+    With a ``GradScaler``, do not pass ``optimizer=`` (a rank whose gradients overflowed
+    skips its step alone): call ``handle.step()`` every iteration, after
+    ``scaler.step(opt); scaler.update()`` (``verify=True`` catches drifting counters).
 
     With ``overlap=True`` a round is launched at its step and training goes on; the
     result is applied at the first later ``step()`` that finds it complete, at the
@@ -96,8 +94,7 @@ class AveragingHandle:
         self._policies, self._reporter = list(policies), Reporter(list(observers))
         self._optimizer_hook = None
         self._in_flight: PendingRound | None = None
-        self._step_count = 0
-        self._rounds_started = 0
+        self._step_count = self._rounds_started = 0
         self._removed = False
         self.stats = AveragingStats()
         self._schedule.bind(self.process_group)
@@ -113,13 +110,8 @@ class AveragingHandle:
         """The period in force (constant unless a schedule object was given)."""
         return self._schedule.current
 
-    @property
-    def schedule(self):
-        return self._schedule
-
-    @property
-    def warmup_steps(self) -> int:
-        return self._warmup_steps
+    schedule = property(lambda self: self._schedule, doc="The period schedule object.")
+    warmup_steps = property(lambda self: self._warmup_steps, doc="Steps before the first round.")
 
     @property
     def in_warmup(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._groups import is_member
+from .bucket import split_like
 from .rounds import AveragingHookError
 
 
@@ -40,13 +41,24 @@ class RoundObserver:
         """After the round (collective observers: at a step every rank shares)."""
 
 
+@torch.no_grad()
+def squared_distance(bucket, values: torch.Tensor, *, from_launch: bool = False) -> torch.Tensor:
+    """``||params - values||^2`` of a bucket, in float64 (``from_launch``: its launch snapshot)."""
+    params = bucket.parameters()
+    source = split_like(bucket._launch, params) if from_launch else params
+    total = torch.zeros((), dtype=torch.float64, device=bucket.device)
+    for p, v in zip(source, split_like(values.reshape(-1), params)):
+        total += (p.double() - v.double()).pow(2).sum()
+    return total
+
+
 class ConsensusTracker(RoundObserver):
     """``stats.consensus_distance``: mean over ranks of ``||params_r - average||^2``."""
 
     collective = True
 
     def measure(self, buckets, finished):
-        return sum((b._squared_distance(v, from_launch=finished.overlapped).cpu()
+        return sum((squared_distance(b, v, from_launch=finished.overlapped).cpu()
                     for b, v in zip(buckets, finished.results)),
                    torch.zeros((), dtype=torch.float64))
 

@@ -14,6 +14,7 @@ from accelerate import Accelerator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+from _helpers import report  # noqa: E402
 import accelerate_local_sgd as ex  # noqa: E402
 
 from ddp_avg_hooks.integrations.accelerate import LocalSGD  # noqa: E402
@@ -39,13 +40,6 @@ def train(accelerator, make_local_sgd, steps=STEPS, shared=0):
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(), model
 
 
-def report(name, ok, detail):
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (ok, detail))
-    if dist.get_rank() == 0:
-        print(f"check {name}: {'ok' if all(g[0] for g in got) else 'FAILED'} {[g[1] for g in got]}",
-              flush=True)
-    assert all(g[0] for g in got), (name, got)
 
 
 def main():

@@ -7,6 +7,7 @@ parent can replay exactly what every rank saw.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 DIMS = (5, 8, 3)  # in, hidden, out
 
@@ -43,3 +44,13 @@ def flat(model_or_params) -> torch.Tensor:
     params = (model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module)
               else model_or_params)
     return torch.cat([p.detach().reshape(-1) for p in params]).clone()
+
+
+def report(name, ok: bool, detail):
+    """Every rank's ``(ok, detail)`` to rank 0, which prints them; raise if any failed."""
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (ok, detail))
+    if dist.get_rank() == 0:
+        print(f"check {name}: {'ok' if all(g[0] for g in got) else 'FAILED'} {[g[1] for g in got]}",
+              flush=True)
+    assert all(g[0] for g in got), (name, got)

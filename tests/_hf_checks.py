@@ -7,24 +7,17 @@ Rank 0 prints one ``check <name>: ...`` line per check; any failed check raises.
 import os
 import sys
 
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+from _helpers import report  # noqa: E402
 import hf_trainer_local_sgd as ex  # noqa: E402
 
 import ddp_avg_hooks as dah  # noqa: E402
 from ddp_avg_hooks.integrations.transformers import add_local_sgd  # noqa: E402
 
 
-def report(name, ok, detail):
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (ok, detail))
-    if dist.get_rank() == 0:
-        print(f"check {name}: {'ok' if all(g[0] for g in got) else 'FAILED'} {[g[1] for g in got]}",
-              flush=True)
-    assert all(g[0] for g in got), (name, got)
 
 
 class Spread(TrainerCallback):

@@ -9,7 +9,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -17,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+from _helpers import report  # noqa: E402
 import lightning_local_sgd as ex  # noqa: E402
 
 import ddp_avg_hooks as dah  # noqa: E402
@@ -52,14 +52,6 @@ def vec(model):
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
 
 
-def report(name, ok: bool, detail):
-    """Every rank's ``(ok, detail)`` to rank 0, which prints them; raise if any failed."""
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (ok, detail))
-    if dist.get_rank() == 0:
-        print(f"check {name}: {'ok' if all(g[0] for g in got) else 'FAILED'} {[g[1] for g in got]}",
-              flush=True)
-    assert all(g[0] for g in got), (name, got)
 
 
 def compare(name, a, b):

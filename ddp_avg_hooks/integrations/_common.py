@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import grad_hooks
+from ..hooks._per_bucket import map_tensors
 
 
 def find_ddp(model) -> DistributedDataParallel | None:
@@ -54,10 +54,4 @@ def detach(ddp: DistributedDataParallel | None) -> None:
 
 def to_cpu(obj):
     """``obj`` with every tensor moved to the CPU (for ``all_gather_object``)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return map_tensors(lambda t: t.detach().cpu(), obj)

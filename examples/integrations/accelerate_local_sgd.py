@@ -7,11 +7,11 @@ Two CPU processes fit a small MLP to a synthetic regression, accumulating gradie
 stay local and the fp16-compressed deltas of the parameters are averaged every 8 steps.
 """
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
 
 import ddp_avg_hooks as dah
+from _agree import spread
 from ddp_avg_hooks.integrations.accelerate import LocalSGD
 
 
@@ -25,15 +25,6 @@ def batches(n=2048, batch_size=16):
     x = torch.randn(n, 16, generator=g)
     y = torch.sin(x[:, :4]).sum(1, keepdim=True)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
-
-
-def spread(model) -> float:
-    """Largest difference between the ranks' copies of any parameter (collective)."""
-    v = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    hi, lo = v.clone(), v.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return (hi - lo).max().item()
 
 
 def main():

@@ -8,10 +8,10 @@ Gradients are averaged for the first 4 steps; after that the parameters are aver
 exactly every 4 steps, and once more when training ends.
 """
 import torch
-import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import ddp_avg_hooks as dah
+from _agree import spread
 from ddp_avg_hooks.integrations.transformers import add_local_sgd
 
 
@@ -39,15 +39,6 @@ def make_trainer(out_dir="/tmp/hf_local_sgd", max_steps=21):
                              report_to=[], save_strategy="no", logging_strategy="no",
                              disable_tqdm=True, ddp_find_unused_parameters=False)
     return Trainer(model=model, args=args, train_dataset=Tokens())
-
-
-def spread(model) -> float:
-    """Largest difference between the ranks' copies of any parameter (collective)."""
-    v = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    hi, lo = v.clone(), v.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return (hi - lo).max().item()
 
 
 def main():

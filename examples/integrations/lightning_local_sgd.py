@@ -9,10 +9,10 @@ stay local and ``hooks.allreduce_hook`` averages the parameters every 8 steps.
 """
 import lightning as L
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddp_avg_hooks as dah
+from _agree import spread
 from ddp_avg_hooks.integrations.lightning import AveragingCallback
 
 
@@ -47,15 +47,6 @@ def fit(callbacks=(), strategy="ddp", max_steps=41, ckpt_path=None, **trainer_kw
                         callbacks=list(callbacks), **{**kw, **trainer_kw})
     trainer.fit(model, data(), ckpt_path=ckpt_path)
     return trainer, model
-
-
-def spread(model) -> float:
-    """Largest difference between the ranks' copies of any parameter (collective)."""
-    v = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
-    hi, lo = v.clone(), v.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return (hi - lo).max().item()
 
 
 def main():
