@@ -2,7 +2,8 @@
 
 World size 1 (gloo, in this process, 1 thread), so the round is all copies and no wire:
 what is measured is the cost our bucket machinery adds around a collective. Both paths
-average the same ~28M-parameter transformer-shaped model.
+average the same ~28M-parameter transformer-shaped model; a second copy of it is
+registered with ``zero_copy=True``, where the round copies nothing.
 
     python benchmarks/bench_round.py [--threads 1] [--layers 8] [--width 512]
 """
@@ -77,6 +78,16 @@ def main() -> None:
     print(f"largest allocation in a round: ours {alloc_ours / 2**20:.1f} MiB, "
           f"average_parameters {alloc_theirs / 2**20:.1f} MiB (model {numel * 4 / 2**20:.1f} MiB)")
     print(f"parameters moved to new storage by average_parameters: {moved} of {len(params)}")
+
+    # zero_copy=True on a second copy of the model: the round runs on the parameters' storage
+    zc_model = transformer_like(args.layers, args.width, args.vocab)
+    zc_handle = dah.register_averaging_hook(DDP(zc_model), dah.hooks.allreduce_hook, None,
+                                            zero_copy=True)
+    zc = Timer("handle.average()", globals={"handle": zc_handle}).blocked_autorange(min_run_time=2)
+    extra = dah.memory.total(zc_handle.memory_bytes()) / (numel * 4)
+    print(f"round  zero_copy {zc.median * 1e3:8.2f} ms   speedup over average_parameters "
+          f"{theirs.median / zc.median:6.1f}x   extra memory {extra:.3f}x the model "
+          f"(copying handle: {dah.memory.total(handle.memory_bytes()) / (numel * 4):.3f}x)")
     dist.destroy_process_group()
 
 

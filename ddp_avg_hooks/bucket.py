@@ -271,7 +271,8 @@ def split_like(flat: torch.Tensor, params) -> list[torch.Tensor]:
 
 
 def assign_buckets(
-    params: Iterable[torch.Tensor], bucket_cap_mb: float, *, keep_anchor: bool = False
+    params: Iterable[torch.Tensor], bucket_cap_mb: float, *, keep_anchor: bool = False,
+    bucket_type: type | None = None, **bucket_kw,
 ) -> list[ParamBucket]:
     """Group ``params`` into buckets of one (device, dtype) and at most ``bucket_cap_mb``.
 
@@ -298,7 +299,8 @@ def assign_buckets(
             groups.append(group)
         group.append(p)
         open_group[key] = (group, size + nbytes)
+    make = bucket_type or ParamBucket
     return [
-        ParamBucket(i, g, is_last=i == len(groups) - 1, keep_anchor=keep_anchor)
+        make(i, g, is_last=i == len(groups) - 1, keep_anchor=keep_anchor, **bucket_kw)
         for i, g in enumerate(groups)
     ]

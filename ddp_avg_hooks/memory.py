@@ -69,7 +69,10 @@ def _walk(obj, kind: str, seen: set) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _bucket_tensors(bucket, kind_of_buffer: str) -> Iterator[tuple[str, torch.Tensor]]:
-    yield kind_of_buffer, bucket._buffer
+    if getattr(bucket, "_in_place", None) is None:
+        yield kind_of_buffer, bucket._buffer
+    else:  # zero copy: the buffer is the parameters; scratch only where a hook needs it
+        yield from (("scratch", t) for t in (bucket._copy, bucket._work) if t is not None)
     if kind_of_buffer == "policies":
         return
     if bucket._anchor is not None:

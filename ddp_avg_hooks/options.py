@@ -25,7 +25,7 @@ from ._groups import is_group
 from .schedules import PeriodSchedule, as_schedule
 
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
-_FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers")
+_FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers", "zero_copy")
 
 
 @dataclasses.dataclass
@@ -48,6 +48,7 @@ class AveragingOptions:
     average_buffers: bool = False
     optimizer_state: str = "keep"
     on_round: Callable | None = None
+    zero_copy: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.period, PeriodSchedule):
@@ -81,6 +82,11 @@ class AveragingOptions:
             raise ValueError(
                 f"optimizer_state={self.optimizer_state!r} needs the optimizer: "
                 "pass optimizer=... as well"
+            )
+        if self.zero_copy and self.overlap:
+            raise ValueError(
+                "zero_copy=True runs a round's collective on the parameters themselves, so "
+                "training cannot go on during it: drop overlap=True (or zero_copy=True)"
             )
         if self.on_round is not None and not callable(self.on_round):
             raise TypeError(

@@ -17,6 +17,7 @@ from .policies import make_policies
 from .protocol import hook_spec
 from .rounds import AveragingHookError, RoundEngine
 from .schedules import PeriodSchedule
+from .zero_copy import ZeroCopyBucket
 
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
 
@@ -104,7 +105,9 @@ def register_averaging_hook(
             (``"keep"``, ``"average"`` or ``"reset"`` the optimizer's momentum/moments
             at each round; needs ``optimizer=``); ``track_consensus`` (measure
             ``stats.consensus_distance`` at each round, one scalar allreduce);
-            ``on_round`` (``callable(handle)`` run on every rank after each round).
+            ``on_round`` (``callable(handle)`` run on every rank after each round);
+            ``zero_copy`` (parameters become views of their bucket's storage, so exact
+            rounds copy nothing; see :mod:`ddp_avg_hooks.zero_copy`).
 
     Returns:
         An :class:`AveragingHandle`.
@@ -148,8 +151,10 @@ def register_averaging_hook(
             "register_averaging_hook: the model has no trainable parameters to average "
             "(all have requires_grad=False or are ignored by DDP)"
         )
+    zero_copy = {"bucket_type": ZeroCopyBucket, "in_place": not opts.check_finite} \
+        if opts.zero_copy else {}
     buckets = assign_buckets(params, bucket_cap_mb,
-                             keep_anchor=opts.wants_anchor(spec.needs_anchor))
+                             keep_anchor=opts.wants_anchor(spec.needs_anchor), **zero_copy)
     group = opts.process_group if opts.process_group is not None else group_of_state(state)
     group = dist.group.WORLD if group is None else group
     engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite)

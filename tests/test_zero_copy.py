@@ -1,0 +1,65 @@
+"""``zero_copy=True``: parameters become views of the buckets' storage; results are
+bit-identical to the copying rounds, on 2 gloo ranks and in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from _dist import run_ranks
+from _helpers import flat, make_model, train_step
+
+HOOKS = {
+    "allreduce": lambda: (dah.hooks.allreduce_hook, None),
+    "fp16": lambda: (dah.hooks.fp16_compress_hook, None),
+    "powersgd": lambda: (dah.hooks.powersgd_hook, dah.hooks.PowerSGDState(matrix_approximation_rank=2)),
+}
+
+
+def _train(rank, name, zero_copy, check_finite=False, steps=9):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    params = list(model.parameters())
+    hook, state = HOOKS[name]()
+    handle = dah.register_averaging_hook(ddp, hook, state, period=3, warmup_steps=1, optimizer=opt,
+                                         zero_copy=zero_copy, check_finite=check_finite,
+                                         bucket_cap_mb=200 / 2**20)  # two buckets
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    ptrs = [p.data_ptr() for p in params]
+    for step in range(steps):
+        train_step(ddp, opt, rank, step)
+    assert [p.data_ptr() for p in params] == ptrs  # no new storage after registration
+    assert list(model.parameters()) == params  # the same Parameter objects
+    memory = handle.memory_bytes()
+    handle.remove()
+    return {"params": flat(model), "rounds": handle.stats.rounds, "memory": memory,
+            "views": [p.untyped_storage().data_ptr() for p in params]}
+
+
+def _rank_parity(rank, world_size):
+    out = {}
+    for name in HOOKS:
+        out[name] = (_train(rank, name, False), _train(rank, name, True),
+                     _train(rank, name, True, check_finite=True))
+    return out
+
+
+def test_zero_copy_rounds_equal_copying_rounds():
+    results = run_ranks(_rank_parity, 2, timeout_s=120)
+    for rank in results:
+        for name, (copying, zero, checked) in rank.items():
+            assert copying["rounds"] == zero["rounds"] == 3
+            assert torch.equal(zero["params"], copying["params"]), name
+            assert torch.equal(checked["params"], copying["params"]), name
+            assert len(set(zero["views"])) == 2  # the parameters share their buckets' storage
+    exact = results[0]["allreduce"][1]["memory"]
+    assert exact["bucket_buffers"] == {} and exact["scratch"] == {}  # nothing the model's size
+
+
+def test_zero_copy_excludes_overlap(world1):
+    with pytest.raises(ValueError, match="drop overlap=True"):
+        dah.register_averaging_hook(DDP(make_model()), dah.hooks.allreduce_hook, None,
+                                    zero_copy=True, overlap=True)
