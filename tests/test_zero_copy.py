@@ -63,3 +63,33 @@ def test_zero_copy_excludes_overlap(world1):
     with pytest.raises(ValueError, match="drop overlap=True"):
         dah.register_averaging_hook(DDP(make_model()), dah.hooks.allreduce_hook, None,
                                     zero_copy=True, overlap=True)
+
+
+def test_zero_copy_checkpoint_resumes_exactly(world1):
+    def build():
+        model = make_model()
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=2,
+                                             optimizer=opt, zero_copy=True)
+        return model, ddp, opt, handle
+
+    model, ddp, opt, handle = build()
+    for step in range(7):
+        train_step(ddp, opt, 0, step)
+    straight = flat(model)
+    model, ddp, opt, handle = build()
+    for step in range(3):
+        train_step(ddp, opt, 0, step)
+    saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+             "opt": opt.state_dict(), "avg": handle.state_dict()}
+    handle.remove()
+    model, ddp, opt, handle = build()
+    with torch.no_grad():  # in place: the parameters stay views of the buckets' storage
+        for name, value in saved["model"].items():
+            model.state_dict()[name].copy_(value)
+    opt.load_state_dict(saved["opt"])
+    handle.load_state_dict(saved["avg"])
+    for step in range(3, 7):
+        train_step(ddp, opt, 0, step)
+    assert torch.equal(flat(model), straight)
