@@ -2,6 +2,8 @@
 
 Not part of ddp_avg_hooks: the examples import it so each keeps to what it shows.
 """
+import gc
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -70,3 +72,14 @@ def check_agreement(worst: float) -> None:
     if worst > 1e-6:
         raise SystemExit(f"rank {dist.get_rank()}: replicas disagree after a round by {worst:.1e}")
     say(f"replicas agreed after every round (largest difference {worst:.1e})")
+
+
+def shutdown() -> None:
+    """Destroy the process group once DDP is gone.
+
+    DDP's reducer keeps its last gradient future; freed after the group is destroyed (at
+    interpreter exit), gloo can abort the process. So ``main()`` returns first, letting
+    its model, optimizer and handle go, and the reference cycles are collected here.
+    """
+    gc.collect()
+    dist.destroy_process_group()

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _task import (check_agreement, ddp_bytes, make_model, rank_batches, replica_spread, say,
-                   train_step, validation_loss)
+                   shutdown, train_step, validation_loss)
 
 
 def main():
@@ -66,8 +66,8 @@ def main():
         f"{ddp_sent / 1e3:.1f} kB ({ddp_sent / sent:.0f}x more)")
     check_agreement(worst)
     handle.remove()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
-from _task import (check_agreement, make_model, rank_batches, replica_spread, say,
+from _task import (check_agreement, make_model, rank_batches, replica_spread, say, shutdown,
                    train_step, validation_loss)
 
 
@@ -65,8 +65,8 @@ def main():
     check_agreement(worst)
     node.remove()
     world.remove()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    shutdown()
