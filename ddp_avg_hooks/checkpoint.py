@@ -21,9 +21,9 @@ What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
 
 Plain files and ``torch.save`` are used rather than ``torch.distributed.checkpoint``: DCP
 saves one copy of a tensor that every rank names the same, which loses the per-rank
-state; its ``get_state_dict``/``set_state_dict`` also drop ``AveragingOptimizer``'s
-``"averaging"`` entry and run ``optimizer.step()`` at lr 0 on an optimizer without state,
-which a handle registered with ``optimizer=`` would count as a step.
+state, and its ``get_state_dict``/``set_state_dict`` drop ``AveragingOptimizer``'s
+``"averaging"`` entry. (The ``optimizer.step()`` they run at lr 0 to create a fresh
+optimizer's state is not counted by a handle registered with ``optimizer=``.)
 
 Example:
     >>> import tempfile, torch, torch.distributed as dist

@@ -216,7 +216,7 @@ class AveragingHandle:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does)."""
-        self._optimizer_hook = optimizer.register_step_post_hook(lambda *_: self.step())
+        self._optimizer_hook = _StepHooks(optimizer, self.step)
 
     def remove(self) -> None:
         """Stop averaging: finish a round in flight, detach from the optimizer, free the
@@ -337,3 +337,31 @@ def _check_matches(state_dict: dict, config: dict, buckets, saved: list, hook_st
             + ("has no hook state but this hook's state needs one"
                if has_hook_state else "has a hook state but this hook's state takes none")
         )
+
+
+def _is_state_init_step(optimizer: torch.optim.Optimizer) -> bool:
+    """The step ``torch.distributed.checkpoint`` takes to create an optimizer's state: no
+    state yet, every learning rate 0, every gradient all zeros. Not a training step."""
+    if optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if not all(float(g.get("lr", 1.0)) == 0.0 for g in groups):
+        return False
+    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
+    return all(grad is not None and not bool(grad.any()) for grad in grads)
+
+
+class _StepHooks:
+    """``step()`` after each ``optimizer.step()``, except a state-creating one (above)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step) -> None:
+        self._skip = False
+        self._pre = optimizer.register_step_pre_hook(self._before)
+        self._post = optimizer.register_step_post_hook(lambda *_: None if self._skip else step())
+
+    def _before(self, optimizer, *_) -> None:
+        self._skip = _is_state_init_step(optimizer)
+
+    def remove(self) -> None:
+        self._pre.remove()
+        self._post.remove()

@@ -90,3 +90,21 @@ def test_rejects_bad_settings(world1, tmp_path):
         RoundCheckpointer(tmp_path, handle, ddp.module, opt, every_rounds=0)
     with pytest.raises(TypeError, match="keep must be an int"):
         RoundCheckpointer(tmp_path, handle, ddp.module, opt, keep=1.5)
+
+
+def test_dcp_state_dict_calls_do_not_count_as_steps(world1):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=4,
+                                         optimizer=opt)
+    # DCP creates a fresh optimizer's state with a step at lr 0 on zero gradients
+    model_sd, optim_sd = get_state_dict(ddp, opt)
+    set_state_dict(ddp, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert (handle.step_count, handle.stats.rounds) == (0, 0)
+    # a real first step at lr 0 (a warm-up from zero) still counts
+    fresh = torch.optim.SGD(ddp.parameters(), lr=0.0)
+    other = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, optimizer=fresh)
+    train_step(ddp, fresh, 0, 0)
+    assert other.step_count == 1
