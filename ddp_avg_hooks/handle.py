@@ -204,7 +204,7 @@ class AveragingHandle:
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes this registration holds, ``{kind: {device: bytes}}`` (see :mod:`ddp_avg_hooks.memory`)."""
-        policy_buckets = [b for policy in self._policies for b in policy.buckets()]
+        policy_buckets = [b for policy in self._policies for b in policy.held_buckets()]
         return memory.count(self._engine.buckets, self.state, policy_buckets)
 
     # --- lifecycle --------------------------------------------------------------------

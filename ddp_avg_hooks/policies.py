@@ -36,6 +36,10 @@ class RoundPolicy:
     def after_write_back(self) -> None:
         """Runs once the round's results are in the parameters."""
 
+    def held_buckets(self) -> list[ParamBucket]:
+        """The buckets this policy holds now (for accounting: builds nothing)."""
+        return self.buckets()
+
 
 class BufferAveraging(RoundPolicy):
     """Average ``buffers`` (floating-point tensors) exactly at every round."""
@@ -75,6 +79,9 @@ class OptimizerStateAveraging(RoundPolicy):
         if tuple(map(id, tensors)) != self._ids:
             self._ids = tuple(map(id, tensors))
             self._buckets = assign_buckets(tensors, self._cap) if tensors else []
+        return self._buckets
+
+    def held_buckets(self) -> list[ParamBucket]:
         return self._buckets
 
 

@@ -42,42 +42,44 @@ def test_importing_the_package_imports_no_framework():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
+def _run_checks(script: str, packages: list[str], summary: str, agree: str, checks: list[str],
+                *args: str) -> None:
+    """Run a check script on 2 ranks: its summary line, its agreement line, every check ok."""
+    for package in packages:
+        pytest.importorskip(package)
+    out = _torchrun(script, *args)
+    assert re.search(summary, out), out
+    assert agree in out, out
+    _assert_checks(out, checks)
+
+
 def test_lightning(tmp_path):
-    pytest.importorskip("lightning")
-    out = _torchrun("_lightning_checks.py", str(tmp_path))
-    assert re.search(r"lightning: 41 steps, 6 rounds .*replicas differ by 0\.0e\+00", out), out
-    assert "lightning: replicas agree" in out, out
-    _assert_checks(out, [
-        "parity_post_local_sgd",           # bit-identical to DDPStrategy's post-local SGD
-        "replicas_apart_after_local_step",
-        "parity_lightning_cpu_grad_sync",  # and to DDPStrategy as it runs on CPU
-        "cpu_differs_from_local_sgd",
-        "fp16_hook_replicas_agree",
-        "accumulation_rounds_at_optimizer_steps",
-        "state_dict_on_every_rank",
-        "checkpoint_has_each_ranks_state",
-        "resume_matches_uninterrupted",
-        "resume_with_another_hook_raises",
-    ])
+    _run_checks("_lightning_checks.py", ["lightning"],
+                r"lightning: 41 steps, 6 rounds .*replicas differ by 0\.0e\+00",
+                "lightning: replicas agree", [
+                    "parity_post_local_sgd",           # bit-identical to DDPStrategy's post-local SGD
+                    "replicas_apart_after_local_step",
+                    "parity_lightning_cpu_grad_sync",  # and to DDPStrategy as it runs on CPU
+                    "cpu_differs_from_local_sgd",
+                    "fp16_hook_replicas_agree",
+                    "accumulation_rounds_at_optimizer_steps",
+                    "state_dict_on_every_rank",
+                    "checkpoint_has_each_ranks_state",
+                    "resume_matches_uninterrupted",
+                    "resume_with_another_hook_raises",
+                ], str(tmp_path))
 
 
 def test_accelerate():
-    pytest.importorskip("accelerate")
-    out = _torchrun("_accelerate_checks.py")
-    assert re.search(r"accelerate: 64 micro-batches, 32 optimizer steps, 4 rounds \+ 1 on leaving",
-                     out), out
-    assert "accelerate: replicas agree" in out, out
-    _assert_checks(out, ["parity_accelerate_local_sgd", "replicas_agree_on_exit",
-                         "block_0_rounds_and_agree", "block_1_rounds_and_agree",
-                         "disabled_is_noop"])
+    _run_checks("_accelerate_checks.py", ["accelerate"],
+                r"accelerate: 64 micro-batches, 32 optimizer steps, 4 rounds \+ 1 on leaving",
+                "accelerate: replicas agree",
+                ["parity_accelerate_local_sgd", "replicas_agree_on_exit", "block_0_rounds_and_agree",
+                 "block_1_rounds_and_agree", "disabled_is_noop"])
 
 
 def test_hf_trainer():
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    out = _torchrun("_hf_checks.py")
-    assert re.search(r"hf trainer: DistributedDataParallel over 2 processes, 21 steps, 6 rounds",
-                     out), out
-    assert "hf trainer: replicas agree" in out, out
-    _assert_checks(out, ["rounds_at_optimizer_steps", "gradients_local_after_warmup",
-                         "removed_at_train_end"])
+    _run_checks("_hf_checks.py", ["transformers", "accelerate"],
+                r"hf trainer: DistributedDataParallel over 2 processes, 21 steps, 6 rounds",
+                "hf trainer: replicas agree",
+                ["rounds_at_optimizer_steps", "gradients_local_after_warmup", "removed_at_train_end"])
