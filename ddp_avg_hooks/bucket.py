@@ -72,6 +72,7 @@ class ParamBucket:
         self._numel = sum(p.numel() for p in self._params)
         self._buffer = torch.empty(self._numel, dtype=self.dtype, device=self.device)
         self._loaded = False  # whether _buffer holds this round's values
+        self._delta_scale = 1.0  # this rank's weight in the round (see _start_round)
         self._anchor: torch.Tensor | None = None
         if keep_anchor:
             self._anchor = torch.empty_like(self._buffer)
@@ -94,6 +95,8 @@ class ParamBucket:
         """
         if not self._loaded:
             self._load_parameters()
+            if self._delta_scale != 1.0:
+                self._buffer.lerp_(self.anchor(), 1.0 - self._delta_scale)
         return self._buffer
 
     def _scaled_buffer(self, scale: float) -> torch.Tensor:
@@ -102,6 +105,8 @@ class ParamBucket:
         Equals ``buffer().div_(n)`` only for ``scale = 1 / n`` with ``n`` a power of two,
         which is why it is not public.
         """
+        if self._delta_scale != 1.0:
+            return self.buffer().mul_(scale)
         ops.flatten(self._params, self._buffer, None if scale == 1.0 else scale)
         self._loaded = True
         return self._buffer
@@ -168,7 +173,7 @@ class ParamBucket:
                 out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
         elif dtype is not None and out.dtype != dtype:
             raise TypeError(f"delta: out has dtype {out.dtype}, dtype= asks for {dtype}")
-        return ops.delta(self.anchor(), self._params, out, scale)
+        return ops.delta(self.anchor(), self._params, out, scale * self._delta_scale)
 
     def memory(self) -> dict[str, torch.Tensor]:
         """Tensors a hook keeps across rounds for this bucket (say, an error-feedback residual).
@@ -194,9 +199,17 @@ class ParamBucket:
         self._loaded = True
         return ops.flatten(self._params, self._buffer)
 
-    def _start_round(self) -> None:
-        """Mark :meth:`buffer` stale: the next call copies the parameters again."""
+    def _start_round(self, delta_scale: float = 1.0) -> None:
+        """Mark :meth:`buffer` stale: the next call copies the parameters again.
+
+        With ``delta_scale`` != 1, :meth:`buffer` and :meth:`delta` show the change since
+        the anchor scaled by it (this rank's weight in a weighted average) until the
+        next round starts; the parameters themselves are not touched.
+        """
+        if delta_scale != 1.0 and self._anchor is None:
+            raise RuntimeError(f"bucket {self._index}: a weighted round needs an anchor")
         self._loaded = False
+        self._delta_scale = delta_scale
 
     @torch.no_grad()
     def _write_back(self, values: torch.Tensor) -> None:
@@ -211,16 +224,21 @@ class ParamBucket:
         ops.flatten(self._params, self._launch)
 
     @torch.no_grad()
-    def _write_back_with_progress(self, values: torch.Tensor) -> None:
-        """Apply an overlapped round: ``params <- params + (values - params_at_launch)``.
+    def _write_back_with_progress(self, values: torch.Tensor, mixing: float | None = None) -> None:
+        """Apply an overlapped round; the anchor becomes ``values`` (identical on every rank).
 
-        Keeps the local progress made while the round was in flight; the anchor
-        becomes ``values`` (identical on every rank).
+        ``mixing=None``: ``params <- params + (values - params_at_launch)``, keeping the
+        local progress made while the round was in flight. ``mixing=alpha``:
+        ``params <- alpha * params + (1 - alpha) * values`` (Streaming DiLoCo's merge).
         """
-        correction = self._launch.neg_().add_(values.reshape(-1))
-        torch._foreach_add_(self._params, split_like(correction, self._params))
+        values = values.reshape(-1)
+        if mixing is not None:
+            torch._foreach_lerp_(self._params, split_like(values, self._params), 1.0 - mixing)
+        else:
+            correction = self._launch.neg_().add_(values)
+            torch._foreach_add_(self._params, split_like(correction, self._params))
         if self._anchor is not None:
-            self._anchor.copy_(values.reshape(-1))
+            self._anchor.copy_(values)
 
     def _reset_anchor(self) -> None:
         """Make the current parameters the anchor (a no-op without anchors)."""
@@ -272,12 +290,13 @@ def split_like(flat: torch.Tensor, params) -> list[torch.Tensor]:
 
 def assign_buckets(
     params: Iterable[torch.Tensor], bucket_cap_mb: float, *, keep_anchor: bool = False,
-    bucket_type: type | None = None, **bucket_kw,
+    bucket_type: type | None = None, first_index: int = 0, ends: bool = True, **bucket_kw,
 ) -> list[ParamBucket]:
     """Group ``params`` into buckets of one (device, dtype) and at most ``bucket_cap_mb``.
 
     Parameters keep their order; a parameter larger than the cap gets a bucket of its
-    own. Buckets are numbered by their first parameter's position.
+    own. Buckets are numbered by their first parameter's position, from ``first_index``;
+    the last one is ``is_last()`` when ``ends`` (the registration's last bucket).
 
     Example:
         >>> import torch
@@ -301,6 +320,7 @@ def assign_buckets(
         open_group[key] = (group, size + nbytes)
     make = bucket_type or ParamBucket
     return [
-        make(i, g, is_last=i == len(groups) - 1, keep_anchor=keep_anchor, **bucket_kw)
+        make(first_index + i, g, is_last=ends and i == len(groups) - 1, keep_anchor=keep_anchor,
+             **bucket_kw)
         for i, g in enumerate(groups)
     ]

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from . import memory
 from .bucket import ParamBucket
 from .observers import Reporter
-from .rounds import PendingRound, RoundEngine
+from .planner import RoundPlanner
+from .rounds import AveragingHookError, PendingRound, RoundEngine
 
 
 @dataclasses.dataclass
@@ -88,7 +89,8 @@ class AveragingHandle:
         self._options = options
         self._schedule = options.schedule
         self._warmup_steps = options.warmup_steps
-        self._next_round = options.warmup_steps
+        self._plan = RoundPlanner(options.schedule, warmup_steps=options.warmup_steps,
+                                  fragments=len(engine.fragments))
         self.process_group = engine.exact_group
         self.grad_process_group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
         self._policies, self._reporter = list(policies), Reporter(list(observers))
@@ -106,9 +108,15 @@ class AveragingHandle:
         return self._step_count
 
     @property
-    def period(self) -> int:
-        """The period in force (constant unless a schedule object was given)."""
+    def period(self) -> int | None:
+        """The period in force (constant unless a schedule object was given; ``None``
+        for time-based rounds)."""
         return self._schedule.current
+
+    @property
+    def fragments(self) -> int:
+        """How many fragments of the model take turns (``fragments=`` at registration)."""
+        return len(self._engine.fragments)
 
     schedule = property(lambda self: self._schedule, doc="The period schedule object.")
     warmup_steps = property(lambda self: self._warmup_steps, doc="Steps before the first round.")
@@ -134,8 +142,9 @@ class AveragingHandle:
         return self._rounds_started
 
     def is_averaging_step(self) -> bool:
-        """Whether the next ``step()`` runs (or, with ``overlap``, launches) a round."""
-        return self._step_count == self._next_round
+        """Whether the next ``step()`` runs (or, with ``overlap``, launches) a round
+        (for time-based rounds: if it were called now)."""
+        return self._plan.due(self._step_count) is not None
 
     def step(self) -> bool:
         """Advance the schedule by one optimizer step; average if it says so.
@@ -144,15 +153,16 @@ class AveragingHandle:
         ran (or was launched, with ``overlap=True``) at this step.
         """
         self._check_alive("step")
-        averaging = self.is_averaging_step()
+        fragment = self._plan.due(self._step_count)
+        averaging = fragment is not None
         if self._in_flight is not None and (averaging or self._in_flight.done()):
             self._finish(self._in_flight)
         if averaging:
             self._reporter.report_deferred(self)
-            pending = self._launch(overlapped=self._options.overlap)
+            pending = self._launch(overlapped=self._options.overlap, fragment=fragment)
             if not pending.overlapped:
                 self._finish(pending)
-            self._next_round = self._step_count + self._schedule.next_period(self._step_count)
+            self._plan.finished()
         elif self._step_count == self._warmup_steps - 1:
             # Warm-up kept the replicas identical; start the deltas from here.
             for bucket in self._engine.buckets:
@@ -173,14 +183,40 @@ class AveragingHandle:
             self._finish(self._in_flight)
 
     # --- one round: the engine runs it, policies and observers hang off it -----------
-    def _launch(self, *, overlapped: bool) -> PendingRound:
-        extras = [b for policy in self._policies for b in policy.buckets()]
-        where = f"round {self.stats.rounds + 1}, step {self._step_count}"
-        pending = self._engine.launch(overlapped=overlapped, extras=extras, where=where)
+    def _launch(self, *, overlapped: bool, fragment: int | None = None) -> PendingRound:
+        """Launch a round of ``fragment`` (a scheduled one) or of everything (``None``)."""
+        where = f"round {self._rounds_started + 1}, step {self._step_count}"
+        # the policies' extras (buffers, optimizer state) go with the first fragment
+        extras = [b for policy in self._policies for b in policy.buckets()] if not fragment else []
+        scale = 1.0
+        if fragment is not None:
+            scale = self._delta_scale(fragment, where)
+            self._plan.started(self._step_count, fragment)
+        pending = self._engine.launch(overlapped=overlapped, extras=extras, where=where,
+                                      fragment=fragment, delta_scale=scale)
         self._rounds_started += 1
         if overlapped:
             self._in_flight = pending
         return pending
+
+    def _delta_scale(self, fragment: int, where: str) -> float:
+        """``world_size * w / sum(w)`` for this rank's local steps ``w`` when rounds are
+        weighted by work (see ``schedules.EverySeconds``), else 1."""
+        world = dist.get_world_size(self.process_group)
+        if not getattr(self._schedule, "weighted", False) or world == 1:
+            return 1.0
+        mine = float(self._plan.local_steps(self._step_count, fragment))
+        total = torch.tensor([mine], dtype=torch.float64)
+        try:
+            dist.all_reduce(total, group=self.process_group)
+        except Exception as exc:
+            raise AveragingHookError(
+                f"{where}: could not agree on the ranks' local steps with the other ranks "
+                f"({type(exc).__name__}: {exc}). Every rank must run the same rounds: with "
+                "EverySeconds, end the loop on handle.rounds_started, not on a step count"
+            ) from exc
+        total = float(total)
+        return 1.0 if total <= 0 else world * mine / total
 
     def _finish(self, pending: PendingRound) -> None:
         self._in_flight = None
@@ -240,6 +276,7 @@ class AveragingHandle:
             "period": self._schedule.describe(),
             "warmup_steps": self._warmup_steps,
             "overlap": self._options.overlap,
+            "fragments": len(self._engine.fragments),
             "layout": [b._layout() for b in self._engine.buckets],
         }
 
@@ -254,7 +291,8 @@ class AveragingHandle:
         saved = [b._state_dict() for b in self._engine.buckets]
         out = {
             "step_count": self._step_count,
-            "next_round": self._next_round,
+            "next_round": min(self._plan.next_rounds),
+            "plan": self._plan.state_dict(),
             "config": self.config(),
             "schedule": self._schedule.state_dict(),
             "anchors": [s["anchor"] for s in saved],
@@ -284,7 +322,7 @@ class AveragingHandle:
         self.stats = AveragingStats(**state_dict["stats"])
         self._step_count = int(state_dict["step_count"])
         self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
-        self._next_round = int(state_dict["next_round"])
+        self._plan.load_state_dict(state_dict.get("plan") or _plan_before_fragments(state_dict))
 
     def __repr__(self) -> str:
         return (
@@ -308,6 +346,16 @@ def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str
 _KEYS = ("step_count", "next_round", "config", "schedule", "anchors", "bucket_memory", "stats")
 
 
+# config keys added after the first release, and what a checkpoint without them meant
+_CONFIG_DEFAULTS = {"fragments": 1}
+
+
+def _plan_before_fragments(state_dict: dict) -> dict:
+    """The planner state of a checkpoint saved before fragments existed."""
+    return {"next_rounds": [state_dict["next_round"]],
+            "last_rounds": [state_dict["next_round"]], "rounds": state_dict["stats"]["rounds"]}
+
+
 def _check_checkpoint(state_dict) -> None:
     if not isinstance(state_dict, dict) or not all(k in state_dict for k in _KEYS):
         raise TypeError(
@@ -325,8 +373,9 @@ def _bucket_entries(state_dict: dict) -> list[dict]:
 def _check_matches(state_dict: dict, config: dict, buckets, saved: list, hook_state) -> None:
     """Raise ``ValueError`` naming the first way ``state_dict`` does not fit this handle."""
     for key, mine in config.items():
-        if state_dict["config"][key] != mine:
-            raise ValueError(f"load_state_dict: {difference(key, state_dict['config'][key], mine)}; "
+        theirs = state_dict["config"].get(key, _CONFIG_DEFAULTS.get(key))
+        if theirs != mine:
+            raise ValueError(f"load_state_dict: {difference(key, theirs, mine)}; "
                              "register with the same settings to resume")
     for bucket, entry in zip(buckets, saved):
         bucket._check_state(entry)

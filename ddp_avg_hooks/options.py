@@ -22,7 +22,7 @@ import torch
 
 from ._checks import check_bool, check_int
 from ._groups import is_group
-from .schedules import PeriodSchedule, as_schedule
+from .schedules import EverySeconds, PeriodSchedule, as_schedule
 
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
 _FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers", "zero_copy")
@@ -49,6 +49,8 @@ class AveragingOptions:
     optimizer_state: str = "keep"
     on_round: Callable | None = None
     zero_copy: bool = False
+    fragments: int = 1
+    mixing: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.period, PeriodSchedule):
@@ -88,18 +90,38 @@ class AveragingOptions:
                 "zero_copy=True runs a round's collective on the parameters themselves, so "
                 "training cannot go on during it: drop overlap=True (or zero_copy=True)"
             )
+        check_int("fragments", self.fragments, 1)
+        if self.mixing is not None:
+            if isinstance(self.mixing, bool) or not isinstance(self.mixing, (int, float)):
+                raise TypeError(f"mixing must be a number in [0, 1] or None, got {type(self.mixing).__name__}")
+            if not 0.0 <= self.mixing <= 1.0:
+                raise ValueError(f"mixing must be in [0, 1], got {self.mixing}")
+            if not self.overlap:
+                raise ValueError("mixing= sets how an overlapped round is applied: pass overlap=True too")
+        if self.zero_copy and isinstance(self.period, EverySeconds) and self.period.weighted:
+            raise ValueError(
+                "zero_copy=True keeps no anchor, which EverySeconds' weighting by steps needs: "
+                "use EverySeconds(..., weighting='equal') or drop zero_copy=True"
+            )
         if self.on_round is not None and not callable(self.on_round):
             raise TypeError(
                 f"on_round must be callable(handle), got {type(self.on_round).__name__}"
             )
         self.schedule = as_schedule(self.period)
+        if self.keep_anchor is False and isinstance(self.schedule, EverySeconds) \
+                and self.schedule.weighted:
+            raise ValueError(
+                "keep_anchor=False, but EverySeconds' weighting by steps needs anchors: "
+                "drop keep_anchor=False or use EverySeconds(..., weighting='equal')"
+            )
 
     def wants_anchor(self, hook_needs_anchor: bool) -> bool:
         """Whether buckets keep anchors: ``keep_anchor`` if given, else when the hook
         declares ``needs_anchor`` or rounds overlap (the late correction needs one)."""
         if self.keep_anchor is not None:
             return self.keep_anchor
-        return hook_needs_anchor or self.overlap
+        weighted = isinstance(self.schedule, EverySeconds) and self.schedule.weighted
+        return hook_needs_anchor or self.overlap or weighted
 
     @classmethod
     def from_call(cls, **arguments) -> AveragingOptions:

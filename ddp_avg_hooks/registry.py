@@ -13,6 +13,7 @@ from .bucket import assign_buckets
 from .handle import AveragingHandle, AveragingStats, difference
 from .observers import make_observers
 from .options import AveragingOptions
+from .planner import split_fragments
 from .policies import make_policies
 from .protocol import hook_spec
 from .rounds import AveragingHookError, RoundEngine
@@ -107,7 +108,15 @@ def register_averaging_hook(
             ``stats.consensus_distance`` at each round, one scalar allreduce);
             ``on_round`` (``callable(handle)`` run on every rank after each round);
             ``zero_copy`` (parameters become views of their bucket's storage, so exact
-            rounds copy nothing; see :mod:`ddp_avg_hooks.zero_copy`).
+            rounds copy nothing; see :mod:`ddp_avg_hooks.zero_copy`); ``fragments``
+            (int K >= 1: the parameters, cut into K near-equal fragments in parameter
+            order, take turns: fragment f is averaged at step s iff ``s >= warmup_steps
+            and (s - warmup_steps - f * period // K) % period == 0``, so each is averaged
+            once per period and a round sends 1/K of the model; ``period < K`` is a
+            ``ValueError``; buffers and optimizer state go with fragment 0; see
+            :mod:`ddp_avg_hooks.planner`); ``mixing`` (with ``overlap=True``: apply a
+            late round as ``alpha * params + (1 - alpha) * averaged`` instead of adding
+            the change, see :meth:`AveragingHandle`).
 
     Returns:
         An :class:`AveragingHandle`.
@@ -153,11 +162,18 @@ def register_averaging_hook(
         )
     zero_copy = {"bucket_type": ZeroCopyBucket, "in_place": not opts.check_finite} \
         if opts.zero_copy else {}
-    buckets = assign_buckets(params, bucket_cap_mb,
-                             keep_anchor=opts.wants_anchor(spec.needs_anchor), **zero_copy)
+    fragments, buckets = [], []
+    parts = split_fragments(params, opts.fragments)
+    for i, part in enumerate(parts):
+        fragments.append(assign_buckets(part, bucket_cap_mb, first_index=len(buckets),
+                                        ends=i == len(parts) - 1,
+                                        keep_anchor=opts.wants_anchor(spec.needs_anchor),
+                                        **zero_copy))
+        buckets += fragments[-1]
     group = opts.process_group if opts.process_group is not None else group_of_state(state)
     group = dist.group.WORLD if group is None else group
-    engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite)
+    engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite,
+                         fragments=fragments, mixing=opts.mixing)
     in_bucket_order = [p for b in buckets for p in b.parameters()]
     handle = AveragingHandle(
         ddp_model,

@@ -62,6 +62,7 @@ class PendingRound:
     """A launched round: the hook's futures and those of the exact extra buckets."""
 
     futures: list
+    buckets: list[ParamBucket]
     extras: list[ParamBucket]
     extra_futures: list
     started: float
@@ -94,13 +95,20 @@ class RoundEngine:
         buckets: the buckets, in launch order.
         exact_group: the process group of the extra buckets' exact average.
         check_finite: reject a round whose results hold nan or inf.
+        fragments: ``buckets`` cut into consecutive parts that rounds may average one
+            at a time (default: one part, all buckets).
+        mixing: how an overlapped round is applied (see :meth:`ParamBucket._write_back_with_progress`).
     """
 
     def __init__(self, hook: Callable, state, buckets: Sequence[ParamBucket], *,
-                 exact_group=None, check_finite: bool = False) -> None:
+                 exact_group=None, check_finite: bool = False,
+                 fragments: Sequence[Sequence[ParamBucket]] | None = None,
+                 mixing: float | None = None) -> None:
         self.hook, self.state = hook, state
         self.name = hook_name(hook)
         self.buckets = list(buckets)
+        self.fragments = [list(f) for f in fragments] if fragments else [self.buckets]
+        self.mixing = mixing
         self.exact_group = exact_group
         self.check_finite = check_finite
 
@@ -111,32 +119,43 @@ class RoundEngine:
         )
 
     def launch(self, *, overlapped: bool = False, extras: Sequence[ParamBucket] = (),
-               where: str = "round") -> PendingRound:
-        """Call the hook on every bucket, then start the extras' exact average."""
+               where: str = "round", fragment: int | None = None,
+               delta_scale: float = 1.0) -> PendingRound:
+        """Call the hook on every bucket (of ``fragment`` only, if given), then start
+        the extras' exact average.
+
+        ``delta_scale`` weighs this rank: the hook sees its parameters' change since the
+        anchor scaled by it (``buffer() = anchor + delta_scale * (params - anchor)``,
+        ``delta()`` likewise; the parameters themselves are untouched), so that a plain
+        average becomes a weighted one.
+        """
         started = time.perf_counter()
-        futures = []
+        buckets = self.buckets if fragment is None else self.fragments[fragment]
         with record_function("ddp_avg_hooks::round::launch"):
-            for bucket in self.buckets:
-                bucket._start_round()
-                if overlapped:
-                    bucket._snapshot_launch()
-                try:
-                    fut = self.hook(self.state, bucket)
-                except Exception as exc:
-                    raise self.error(bucket, where, f"raised {type(exc).__name__}: {exc}") from exc
-                if not isinstance(fut, torch._C.Future):
-                    raise self.error(
-                        bucket, where,
-                        f"returned {type(fut).__name__}; expected a torch.futures.Future "
-                        "whose value is the bucket's new flat parameters",
-                    )
-                futures.append(fut)
+            futures = [self._call_hook(b, overlapped, where, delta_scale) for b in buckets]
             extras = list(extras)
             extra_futures = []
             for bucket in extras:
                 bucket._start_round()
                 extra_futures.append(allreduce_hook(self.exact_group, bucket))
-        return PendingRound(futures, extras, extra_futures, started, overlapped, where)
+        return PendingRound(futures, list(buckets), extras, extra_futures, started, overlapped,
+                            where)
+
+    def _call_hook(self, bucket: ParamBucket, overlapped: bool, where: str, delta_scale: float):
+        bucket._start_round(delta_scale)
+        if overlapped:
+            bucket._snapshot_launch()
+        try:
+            fut = self.hook(self.state, bucket)
+        except Exception as exc:
+            raise self.error(bucket, where, f"raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(fut, torch._C.Future):
+            raise self.error(
+                bucket, where,
+                f"returned {type(fut).__name__}; expected a torch.futures.Future "
+                "whose value is the bucket's new flat parameters",
+            )
+        return fut
 
     def collect(self, pending: PendingRound) -> FinishedRound:
         """Wait for the round and check every result; raises :class:`AveragingHookError`."""
@@ -144,19 +163,19 @@ class RoundEngine:
         try:
             with record_function("ddp_avg_hooks::round::wait"):
                 results = [self._result(b, f, pending.where)
-                           for b, f in zip(self.buckets, pending.futures)]
+                           for b, f in zip(pending.buckets, pending.futures)]
                 extra_results = [f.wait() for f in pending.extra_futures]
         finally:
-            pending.bytes_sent = sum(b._take_bytes_sent() for b in self.buckets + pending.extras)
+            pending.bytes_sent = sum(b._take_bytes_sent() for b in pending.buckets + pending.extras)
         return FinishedRound(results, extra_results, pending.overlapped, pending.bytes_sent,
                              time.perf_counter() - wait_start, pending.started)
 
     def write_back(self, pending: PendingRound, finished: FinishedRound) -> None:
         """Copy the results into the parameters in place (all of them valid by now)."""
         with record_function("ddp_avg_hooks::round::write_back"):
-            for bucket, value in zip(self.buckets, finished.results):
+            for bucket, value in zip(pending.buckets, finished.results):
                 if finished.overlapped:
-                    bucket._write_back_with_progress(value)
+                    bucket._write_back_with_progress(value, self.mixing)
                 else:
                     bucket._write_back(value)
             for bucket, value in zip(pending.extras, finished.extra_results):

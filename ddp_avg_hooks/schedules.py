@@ -208,6 +208,74 @@ class AdaCommPeriod(PeriodSchedule):
         return self.describe()
 
 
+WEIGHTINGS = ("steps", "equal")
+
+
+class EverySeconds(PeriodSchedule):
+    """Rounds by wall-clock time: a rank enters the next round once ``seconds`` have
+    passed on its own clock since it left the previous one.
+
+    Rounds are matched by order, not by step: a fast rank takes more local steps
+    between two rounds instead of waiting for a slow one. The first round is at step
+    ``warmup_steps`` (on every rank). With ``fragments=K`` the fragments take turns,
+    one every ``seconds / K``, so each is averaged every ``seconds``.
+
+    ``weighting`` decides how the ranks' parameters are combined:
+
+    * ``"steps"`` (default): each rank weighs by the local steps it took since the last
+      round of those parameters, ``avg = anchor - sum_r w_r delta_r / sum_r w_r``. A
+      rank that did twice the work moves the average twice as far; equal steps give the
+      plain average, bit for bit. One 2-element allreduce per round agrees on the total
+      (and fails, naming the round, when a rank has stopped). Needs anchors, which the
+      handle then keeps.
+    * ``"equal"``: the plain average, whatever the steps. With unequal local steps this
+      optimizes a different objective: FedNova (Wang et al. 2020) shows plain averaging
+      of unequal amounts of local work is biased towards the objectives of the ranks
+      that did more steps; weighting by steps removes that bias for SGD-like updates.
+
+    Gradients must not be synchronized per step after the warm-up (ranks take different
+    numbers of steps): register ``grad_hooks.local_sgd_grad_hook`` on the DDP model.
+
+    Steps rather than samples: ``handle.step()`` sees steps, not batch sizes, and with
+    equal batch sizes the two are the same weight.
+
+    Ending a run: every rank must stop after the same round, since rounds are
+    collective. Loop on the round count, ``while handle.rounds_started < rounds:``, not
+    on a step count (ranks reach different step counts). A rank that stops early makes
+    the others' next round fail with an ``AveragingHookError`` naming the round, within
+    the process group's timeout.
+
+    Example:
+        >>> EverySeconds(2.5)
+        EverySeconds(2.5, weighting='steps')
+    """
+
+    def __init__(self, seconds: float, weighting: str = "steps") -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise TypeError(f"EverySeconds: seconds must be a number, got {type(seconds).__name__}")
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ValueError(f"EverySeconds: seconds must be > 0 and finite, got {seconds}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"EverySeconds: weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.seconds, self.weighting = float(seconds), weighting
+
+    @property
+    def weighted(self) -> bool:
+        """Whether rounds weigh ranks by their local steps."""
+        return self.weighting == "steps"
+
+    def next_period(self, step: int) -> int:
+        raise TypeError("EverySeconds decides rounds by time, not by a step count")
+
+    @property
+    def current(self):
+        """``None``: there is no period in steps."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"EverySeconds({self.seconds}, weighting={self.weighting!r})"
+
+
 def as_schedule(period) -> PeriodSchedule:
     """An int becomes a :class:`ConstantPeriod`; a schedule passes through."""
     if isinstance(period, PeriodSchedule):

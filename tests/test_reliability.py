@@ -215,7 +215,9 @@ def _rank_verify(rank, world_size, case):
     handle = dah.register_averaging_hook(ddp, hook, None, period=1, verify=True)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     if case == "counter" and rank == 1:
-        handle.load_state_dict({**handle.state_dict(), "step_count": 1, "next_round": 1})
+        saved = handle.state_dict()
+        plan = {**saved["plan"], "next_rounds": [1]}
+        handle.load_state_dict({**saved, "step_count": 1, "next_round": 1, "plan": plan})
     try:
         for step in range(3):
             train_step(ddp, opt, rank, step)

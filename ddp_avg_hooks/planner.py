@@ -1,0 +1,142 @@
+"""``RoundPlanner``: which fragment of the model a step averages, and with what weight.
+
+A registration's parameters are split into ``fragments`` parts (see
+:func:`split_fragments`); each part is averaged on its own schedule:
+
+* **step-based** (an int ``period`` or a schedule object): fragment ``f`` is averaged at
+  step ``s`` iff ``s >= warmup_steps and (s - warmup_steps - f * period // K) % period ==
+  0``. With ``K = 1`` that is PyTorch's ``PeriodicModelAverager`` schedule; a schedule
+  object decides the distance to the next round after each round (``K = 1`` only).
+* **time-based** (:class:`~ddp_avg_hooks.schedules.EverySeconds`): the first round is at
+  step ``warmup_steps``; after that a rank enters the next round once ``seconds / K``
+  have passed on its own clock since it finished the previous one. Rounds are matched by
+  order, fragment ``k % K`` at round ``k``; ranks may enter them at different steps.
+
+Example:
+    >>> from ddp_avg_hooks.planner import RoundPlanner
+    >>> from ddp_avg_hooks.schedules import ConstantPeriod
+    >>> plan = RoundPlanner(ConstantPeriod(8), warmup_steps=2, fragments=4)
+    >>> rounds = []
+    >>> for s in range(2, 12):
+    ...     f = plan.due(s)
+    ...     if f is not None:
+    ...         plan.started(s, f); rounds.append((s, f))
+    >>> rounds
+    [(2, 0), (4, 1), (6, 2), (8, 3), (10, 0)]
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .schedules import ConstantPeriod, EverySeconds, PeriodSchedule
+
+
+def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+    """``params`` in order, cut into ``fragments`` parts of near-equal element count.
+
+    A parameter is never split; each cut sits where the running count comes closest to
+    an equal share. Raises ``ValueError`` when there are fewer parameters than fragments.
+
+    Example:
+        >>> import torch
+        >>> sizes = [4, 4, 1, 7, 8]
+        >>> [[p.numel() for p in f] for f in split_fragments([torch.zeros(n) for n in sizes], 2)]
+        [[4, 4, 1], [7, 8]]
+    """
+    if fragments > len(params):
+        raise ValueError(
+            f"fragments={fragments} but the model has only {len(params)} parameters to "
+            "average (a parameter is never split): use fragments <= the parameter count"
+        )
+    total = sum(p.numel() for p in params)
+    parts: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
+    f, running = 0, 0
+    for i, p in enumerate(params):
+        left_after = len(params) - i - 1
+        target = total * (f + 1) / fragments
+        if parts[f] and f < fragments - 1:
+            stay, move = abs(running + p.numel() - target), abs(running - target)
+            # the parameters left must still fill the fragments left
+            if move < stay or left_after < fragments - f - 1:
+                f += 1
+        parts[f].append(p)
+        running += p.numel()
+    return parts
+
+
+class RoundPlanner:
+    """Decides, step by step, which fragment (if any) a round averages.
+
+    Args:
+        schedule: a :class:`~ddp_avg_hooks.schedules.PeriodSchedule` (``EverySeconds``
+            for time-based rounds).
+        warmup_steps: steps before the first round.
+        fragments: how many fragments take turns (``>= 1``).
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(self, schedule: PeriodSchedule, *, warmup_steps: int, fragments: int = 1,
+                 clock=time.monotonic) -> None:
+        self.schedule, self.warmup_steps, self.fragments = schedule, warmup_steps, fragments
+        self.timed = isinstance(schedule, EverySeconds)
+        if fragments > 1 and not (self.timed or isinstance(schedule, ConstantPeriod)):
+            raise ValueError(
+                f"fragments={fragments} needs an int period or schedules.EverySeconds, got "
+                f"{schedule!r}: fragments take turns at fixed offsets within one period"
+            )
+        if fragments > 1 and not self.timed and schedule.current < fragments:
+            raise ValueError(
+                f"period ({schedule.current}) must be >= fragments ({fragments}): each "
+                "fragment needs a step of its own within a period"
+            )
+        self._clock = clock
+        offsets = [0] * fragments if self.timed else \
+            [f * schedule.current // fragments for f in range(fragments)]
+        self.next_rounds = [warmup_steps + o for o in offsets]
+        self.last_rounds = list(self.next_rounds)  # step of each fragment's last round
+        self.rounds = 0
+        self._last_finish: float | None = None
+
+    def due(self, step: int) -> int | None:
+        """The fragment a round at ``step`` averages, or ``None`` for no round."""
+        if not self.timed:
+            for f, s in enumerate(self.next_rounds):
+                if s == step:
+                    return f
+            return None
+        if step < self.warmup_steps:
+            return None
+        if self.rounds == 0:
+            return 0
+        if self._last_finish is None:  # resumed from a checkpoint: restart the clock
+            self._last_finish = self._clock()
+        elapsed = self._clock() - self._last_finish
+        return self.rounds % self.fragments if elapsed >= self.schedule.seconds / self.fragments else None
+
+    def local_steps(self, step: int, fragment: int) -> int:
+        """Steps this rank took since ``fragment``'s last round (its weight)."""
+        return step - self.last_rounds[fragment]
+
+    def started(self, step: int, fragment: int) -> None:
+        """A round of ``fragment`` began at ``step``."""
+        self.rounds += 1
+        self.last_rounds[fragment] = step
+        if not self.timed:
+            self.next_rounds[fragment] = step + self.schedule.next_period(step)
+
+    def finished(self) -> None:
+        """The round launched last is over on this rank (starts the clock of the next)."""
+        self._last_finish = self._clock()
+
+    def state_dict(self) -> dict:
+        return {"next_rounds": list(self.next_rounds), "last_rounds": list(self.last_rounds),
+                "rounds": self.rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_rounds = [int(s) for s in state["next_rounds"]]
+        self.last_rounds = [int(s) for s in state["last_rounds"]]
+        self.rounds = int(state["rounds"])
+        self._last_finish = None

@@ -1,0 +1,167 @@
+"""schedules.EverySeconds: rounds by each rank's clock, matched by order, weighted by work."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from _dist import run_ranks
+from _helpers import flat, make_model, train_step
+from ddp_avg_hooks.schedules import EverySeconds
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _rank_uneven(rank, world_size, weighting, hook_name, rounds, sleep_s):
+    """Rank 1 sleeps longer per step. At each round, every rank's parameters, anchor
+    and local steps are gathered first, to check the result against the closed form."""
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, getattr(dah.hooks, hook_name), None,
+                                         period=EverySeconds(0.15, weighting=weighting),
+                                         warmup_steps=2)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    now = [time.monotonic()]
+    handle._plan._clock = lambda: now[0]  # one reading per step: the check and step() agree
+    step, last_round_step, checks = 0, 2, []
+    anchor = None
+    while handle.rounds_started < rounds:
+        train_step(ddp, opt, rank, step)
+        time.sleep(sleep_s[rank])
+        now[0] = time.monotonic()
+        if handle.is_averaging_step() and handle.rounds_started > 0:
+            mine = flat(model).double()
+            ps = _gather(mine)
+            steps = _gather(torch.tensor([float(step - last_round_step)], dtype=torch.float64))
+            w = torch.cat(steps)
+            if weighting == "equal" or w.sum() == 0:
+                w = torch.ones_like(w)
+            expected = anchor + sum(wi * (p - anchor) for wi, p in zip(w, ps)) / w.sum()
+            assert handle.step()
+            last_round_step = step
+            got = flat(model)
+            same = _gather(got)
+            checks.append((all(torch.equal(same[0], s) for s in same),
+                           float((got.double() - expected).abs().max()), w.tolist()))
+        else:
+            if handle.step():
+                last_round_step = step
+        if handle.rounds_started and last_round_step == step:
+            anchor = flat(model).double()
+        step += 1
+    return {"steps": step, "rounds": handle.stats.rounds, "checks": checks}
+
+
+@pytest.mark.parametrize("weighting,hook_name", [("steps", "allreduce_hook"),
+                                                 ("equal", "allreduce_hook"),
+                                                 ("steps", "fp16_compress_hook")])
+def test_fast_rank_takes_more_steps_and_rounds_match(weighting, hook_name):
+    fast, slow = run_ranks(_rank_uneven, 2, weighting=weighting, hook_name=hook_name, rounds=5,
+                           sleep_s=(0.0, 0.03))
+    assert fast["rounds"] == slow["rounds"] == 5
+    assert fast["steps"] > 1.4 * slow["steps"], (fast["steps"], slow["steps"])
+    tol = 1e-6 if hook_name == "allreduce_hook" else 2e-3  # fp16: a half-precision delta
+    for identical, err, weights in fast["checks"]:
+        assert identical and err <= tol, (err, weights)
+    if weighting == "steps":  # the rounds did weigh unequal work
+        assert any(w[0] > w[1] for _, _, w in fast["checks"])
+
+
+def _rank_stops_early(rank, world_size):
+    model = make_model()
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                         period=EverySeconds(0.05))
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = 0
+    try:
+        while handle.rounds_started < (2 if rank == 1 else 4):
+            train_step(ddp, opt, rank, step)
+            handle.step()
+            step += 1
+    except dah.AveragingHookError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rank_that_stops_early_is_an_error_naming_the_round():
+    messages = run_ranks(_rank_stops_early, 2, pg_timeout_s=5, hard_exit=True)
+    assert messages[1] is None
+    assert "round 3" in messages[0] and "rounds_started" in messages[0], messages[0]
+
+
+def _rank_resume(rank, world_size, tmp):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                         period=EverySeconds(0.1), warmup_steps=1)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    step = 0
+    while handle.rounds_started < 2:
+        train_step(ddp, opt, rank, step)
+        time.sleep(0.02 * rank)
+        handle.step()
+        step += 1
+    for _ in range(3):  # local steps past the round, carried into the next weight
+        train_step(ddp, opt, rank, step)
+        handle.step()
+        step += 1
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "handle": handle.state_dict()}
+    handle.remove()
+
+    model2 = make_model(seed=9)
+    ddp2 = DDP(model2)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    again = dah.register_averaging_hook(ddp2, dah.hooks.allreduce_hook, None,
+                                        period=EverySeconds(0.1), warmup_steps=1)
+    ddp2.register_comm_hook(again, dah.grad_hooks.local_sgd_grad_hook)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    again.load_state_dict(saved["handle"])
+    resumed = (again.step_count, again.rounds_started, again._plan.local_steps(again.step_count, 0))
+    while again.rounds_started < 4:
+        train_step(ddp2, opt2, rank, step)
+        again.step()
+        step += 1
+    same = _gather(flat(model2))
+    return resumed, step, torch.equal(same[0], same[1])
+
+
+def test_state_dict_resumes_mid_run(tmp_path):
+    for rank, (resumed, steps, identical) in enumerate(run_ranks(_rank_resume, 2, tmp=str(tmp_path))):
+        step_count, rounds, local_steps = resumed
+        assert rounds == 2 and local_steps >= 3
+        assert steps > step_count and identical
+
+
+def test_bad_arguments_are_clear(world1):
+    with pytest.raises(ValueError, match="seconds must be > 0"):
+        EverySeconds(0)
+    with pytest.raises(ValueError, match="weighting must be one of"):
+        EverySeconds(1.0, weighting="samples")
+    with pytest.raises(TypeError, match="seconds must be a number"):
+        EverySeconds("1")
+    ddp = DDP(make_model())
+    with pytest.raises(ValueError, match="weighting='equal'"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                    period=EverySeconds(1.0), zero_copy=True)
+    with pytest.raises(ValueError, match="needs anchors"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                    period=EverySeconds(1.0), keep_anchor=False)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                         period=EverySeconds(1.0, weighting="equal"), zero_copy=True)
+    assert handle.period is None and handle.step()  # the first round: step warmup_steps
+    assert not handle.step()  # a second has not passed
+    handle.remove()
