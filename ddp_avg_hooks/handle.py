@@ -16,7 +16,11 @@ from . import memory
 from .bucket import ParamBucket
 from .observers import Reporter
 from .planner import RoundPlanner
+from ._saved_state import bucket_entries, check_checkpoint, check_matches, difference, plan_before_fragments
+from ._step_hooks import StepHooks
 from .rounds import AveragingHookError, PendingRound, RoundEngine
+
+__all__ = ["AveragingHandle", "AveragingStats", "difference"]
 
 
 @dataclasses.dataclass
@@ -64,8 +68,10 @@ class AveragingHandle:
     With ``overlap=True`` a round is launched at its step and training goes on; the
     result is applied at the first later ``step()`` that finds it complete, at the
     latest before the next round, as ``params + (averaged - params_at_launch)`` (see
-    :mod:`ddp_avg_hooks.rounds`). ``average()``, ``state_dict()`` and ``remove()``
-    finish a round in flight first.
+    :mod:`ddp_avg_hooks.rounds`), or with ``mixing=alpha`` as ``alpha * params + (1 -
+    alpha) * averaged`` (Streaming DiLoCo's merge: ``alpha=0`` drops the steps taken
+    while the round was in flight, ``alpha=1`` ignores the round). ``average()``,
+    ``state_dict()`` and ``remove()`` finish a round in flight first.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -252,7 +258,7 @@ class AveragingHandle:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does)."""
-        self._optimizer_hook = _StepHooks(optimizer, self.step)
+        self._optimizer_hook = StepHooks(optimizer, self.step)
 
     def remove(self) -> None:
         """Stop averaging: finish a round in flight, detach from the optimizer, free the
@@ -310,10 +316,10 @@ class AveragingHandle:
         with another hook, period, warm-up or bucket layout; nothing is changed then.
         """
         self._check_alive("load_state_dict")
-        _check_checkpoint(state_dict)
+        check_checkpoint(state_dict)
         self.synchronize()
-        saved = _bucket_entries(state_dict)
-        _check_matches(state_dict, self.config(), self._engine.buckets, saved, self.state)
+        saved = bucket_entries(state_dict)
+        check_matches(state_dict, self.config(), self._engine.buckets, saved, self.state)
         if hasattr(self.state, "load_state_dict"):
             self.state.load_state_dict(state_dict["hook_state"])
         self._schedule.load_state_dict(state_dict["schedule"])
@@ -322,7 +328,7 @@ class AveragingHandle:
         self.stats = AveragingStats(**state_dict["stats"])
         self._step_count = int(state_dict["step_count"])
         self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
-        self._plan.load_state_dict(state_dict.get("plan") or _plan_before_fragments(state_dict))
+        self._plan.load_state_dict(state_dict.get("plan") or plan_before_fragments(state_dict))
 
     def __repr__(self) -> str:
         return (
@@ -330,87 +336,3 @@ class AveragingHandle:
             f"warmup_steps={self._warmup_steps}, step_count={self._step_count}, "
             f"buckets={len(self._engine.buckets)})"
         )
-
-
-def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str = "here") -> str:
-    """One sentence naming where two configs (see :meth:`AveragingHandle.config`) differ."""
-    if key == "layout":
-        if len(theirs) != len(mine):
-            return (f"the bucket layout differs: {len(theirs)} buckets {theirs_at}, "
-                    f"{len(mine)} {mine_at}")
-        i = next(i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b)
-        return f"the bucket layout differs at bucket {i}: {theirs[i]} {theirs_at}, {mine[i]} {mine_at}"
-    return f"{key!r} differs: {theirs!r} {theirs_at}, {mine!r} {mine_at}"
-
-
-_KEYS = ("step_count", "next_round", "config", "schedule", "anchors", "bucket_memory", "stats")
-
-
-# config keys added after the first release, and what a checkpoint without them meant
-_CONFIG_DEFAULTS = {"fragments": 1}
-
-
-def _plan_before_fragments(state_dict: dict) -> dict:
-    """The planner state of a checkpoint saved before fragments existed."""
-    return {"next_rounds": [state_dict["next_round"]],
-            "last_rounds": [state_dict["next_round"]], "rounds": state_dict["stats"]["rounds"]}
-
-
-def _check_checkpoint(state_dict) -> None:
-    if not isinstance(state_dict, dict) or not all(k in state_dict for k in _KEYS):
-        raise TypeError(
-            "load_state_dict: expected the dict returned by AveragingHandle.state_dict(), "
-            f"got {type(state_dict).__name__}"
-            + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
-        )
-
-
-def _bucket_entries(state_dict: dict) -> list[dict]:
-    return [{"anchor": a, "memory": m}
-            for a, m in zip(state_dict["anchors"], state_dict["bucket_memory"])]
-
-
-def _check_matches(state_dict: dict, config: dict, buckets, saved: list, hook_state) -> None:
-    """Raise ``ValueError`` naming the first way ``state_dict`` does not fit this handle."""
-    for key, mine in config.items():
-        theirs = state_dict["config"].get(key, _CONFIG_DEFAULTS.get(key))
-        if theirs != mine:
-            raise ValueError(f"load_state_dict: {difference(key, theirs, mine)}; "
-                             "register with the same settings to resume")
-    for bucket, entry in zip(buckets, saved):
-        bucket._check_state(entry)
-    has_hook_state = hasattr(hook_state, "load_state_dict")
-    if has_hook_state != ("hook_state" in state_dict):
-        raise ValueError(
-            "load_state_dict: the checkpoint "
-            + ("has no hook state but this hook's state needs one"
-               if has_hook_state else "has a hook state but this hook's state takes none")
-        )
-
-
-def _is_state_init_step(optimizer: torch.optim.Optimizer) -> bool:
-    """The step ``torch.distributed.checkpoint`` takes to create an optimizer's state: no
-    state yet, every learning rate 0, every gradient all zeros. Not a training step."""
-    if optimizer.state:
-        return False
-    groups = optimizer.param_groups
-    if not all(float(g.get("lr", 1.0)) == 0.0 for g in groups):
-        return False
-    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
-    return all(grad is not None and not bool(grad.any()) for grad in grads)
-
-
-class _StepHooks:
-    """``step()`` after each ``optimizer.step()``, except a state-creating one (above)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, step) -> None:
-        self._skip = False
-        self._pre = optimizer.register_step_pre_hook(self._before)
-        self._post = optimizer.register_step_post_hook(lambda *_: None if self._skip else step())
-
-    def _before(self, optimizer, *_) -> None:
-        self._skip = _is_state_init_step(optimizer)
-
-    def remove(self) -> None:
-        self._pre.remove()
-        self._post.remove()

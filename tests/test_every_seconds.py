@@ -165,3 +165,33 @@ def test_bad_arguments_are_clear(world1):
     assert handle.period is None and handle.step()  # the first round: step warmup_steps
     assert not handle.step()  # a second has not passed
     handle.remove()
+
+
+def _rank_fragments_overlap(rank, world_size):
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None,
+                                         period=EverySeconds(0.1), fragments=2, overlap=True)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    step, fragments_seen = 0, []
+    while handle.rounds_started < 6:
+        train_step(ddp, opt, rank, step)
+        time.sleep(0.01 * rank)
+        before = handle.rounds_started
+        handle.step()
+        if handle.rounds_started > before:
+            fragments_seen.append(handle._plan.rounds % 2)
+        step += 1
+    handle.synchronize()
+    anchors = torch.cat([b.anchor() for b in handle.buckets])
+    same = _gather(anchors)
+    return step, handle.stats.rounds, torch.equal(same[0], same[1]), fragments_seen
+
+
+def test_time_based_rounds_take_turns_over_fragments_with_overlap():
+    (fast_steps, fast_rounds, same, seen), (slow_steps, slow_rounds, _, _) = run_ranks(
+        _rank_fragments_overlap, 2)
+    assert fast_rounds == slow_rounds == 6 and same
+    assert seen == [1, 0, 1, 0, 1, 0]  # fragment 0, 1, 0, ... (counted after each launch)
+    assert fast_steps > slow_steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -91,3 +92,27 @@ def test_overlap_training_converges_and_anchors_agree():
         assert res["rounds"] == steps // 4
         first, last = sum(res["losses"][:5]) / 5, sum(res["losses"][-5:]) / 5
         assert last < 0.2 * first, (first, last)
+
+
+def test_mixing_merges_a_late_round_as_a_weighted_sum(world1):
+    model = _model()
+    handle = dah.register_averaging_hook(DDP(model), dah.hooks.allreduce_hook, None, period=2,
+                                         overlap=True, mixing=0.25)
+    _set(model, _base)
+    launched = [p.detach().clone() for p in model.parameters()]
+    assert handle.step()  # launched: the average (one rank) is the parameters now
+    _set(model, lambda i, p: p + 4.0)  # progress while the round is in flight
+    local = [p.detach().clone() for p in model.parameters()]
+    handle.synchronize()
+    for p, a, b in zip(model.parameters(), launched, local):
+        assert torch.allclose(p.detach(), 0.25 * b + 0.75 * a, atol=1e-6)
+    handle.remove()
+
+
+def test_mixing_needs_overlap_and_a_weight_in_0_1(world1):
+    ddp = DDP(_model())
+    with pytest.raises(ValueError, match="pass overlap=True"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2, mixing=0.5)
+    with pytest.raises(ValueError, match=r"mixing must be in \[0, 1\]"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                    overlap=True, mixing=1.5)
