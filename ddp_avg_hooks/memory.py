@@ -86,11 +86,13 @@ def _bucket_tensors(bucket, kind_of_buffer: str) -> Iterator[tuple[str, torch.Te
 def count(buckets, hook_state, policy_buckets=()) -> dict[str, dict[str, int]]:
     """Bytes by kind and device of ``buckets``, ``hook_state`` and ``policy_buckets``."""
     from .hooks.compress import _SEND_BUFFERS  # the half hooks' send buffers for state None
+    from .hooks.quantized import _SCRATCH  # the quantized hooks' payload buffers, likewise
 
     pairs: list = []
     for bucket in buckets:
         pairs += _bucket_tensors(bucket, "bucket_buffers")
         pairs += _walk(_SEND_BUFFERS.get(bucket), "scratch", set())
+        pairs += _walk(_SCRATCH.get(bucket), "scratch", set())
     for bucket in policy_buckets:
         pairs += _bucket_tensors(bucket, "policies")
     pairs += _walk(hook_state, "hook_state", set())

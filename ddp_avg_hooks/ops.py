@@ -13,6 +13,10 @@ dtypes), then routed, as ``torch.optim`` picks fused / foreach / for-loop kernel
   without foreach kernels).
 
 All three give identical results; the semantics are documented in ``_fallback``.
+
+The blockwise quantization ops (:func:`quantize_blocks`, :func:`dequantize_blocks`, over
+a :class:`QuantLayout`) run in the extension for float32 and in ``_quantize`` (plain
+PyTorch, also float64) otherwise, with the same bits.
 ``backend()`` says whether the extension is in use. It is loaded (built the first
 time, ~1 min; ``make ext`` does it ahead) on the first op call or ``backend()``, never
 at import; ``DDP_AVG_HOOKS_DISABLE_EXT=1`` keeps it out. CPU calls of the extension
@@ -39,7 +43,8 @@ from types import ModuleType, SimpleNamespace
 
 import torch
 
-from . import _ext, _fallback
+from . import _ext, _fallback, _quantize
+from ._quantize import QuantLayout
 
 SUPPORTED_DTYPES = _fallback.SUPPORTED_DTYPES
 _EXT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -201,4 +206,125 @@ def apply_(
     _impl(flats, params).apply_(flat, params, anchor)
 
 
-__all__ = ["backend", "flatten", "unflatten_", "delta", "apply_", "SUPPORTED_DTYPES"]
+# ---------------------------------------------------------------- blockwise quantization
+
+_QUANT_DTYPES = (torch.float32, torch.float64)
+
+
+def _check_vector(t, what: str, op: str, dtypes, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{op}: {what} has dtype {t.dtype}; expected {names}")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(
+            f"{op}: {what} must be a contiguous 1-D tensor, got shape {tuple(t.shape)} "
+            f"with strides {t.stride()}"
+        )
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {what} is on {t.device} but packed is on {device}")
+
+
+def _check_like(t, ref: torch.Tensor, what: str, ref_name: str, op: str) -> None:
+    _check_vector(t, what, op, (ref.dtype,), ref.device)
+    if t.numel() != ref.numel():
+        raise ValueError(f"{op}: {what} has {t.numel()} elements but {ref_name} has {ref.numel()}")
+
+
+def _check_packed(packed, layout: QuantLayout, op: str) -> None:
+    if not isinstance(layout, QuantLayout):
+        raise TypeError(f"{op}: layout must be a QuantLayout, got {type(layout).__name__}")
+    _check_vector(packed, "packed", op, (torch.uint8,))
+    if packed.numel() != layout.total_bytes:
+        raise ValueError(
+            f"{op}: packed has {packed.numel()} bytes but the layout needs {layout.total_bytes}"
+        )
+
+
+def _quant_impl(tensors: Sequence[torch.Tensor]):
+    """The extension for plain float32 tensors on a device it was built for, else ``_quantize``."""
+    ext = _ext.load_extension()
+    floats = [t for t in tensors if t.is_floating_point()]
+    dev = tensors[0].device.type
+    if (
+        ext is not None
+        and hasattr(ext, "quantize_blocks")
+        and all(type(t) in _PLAIN_TYPES for t in tensors)
+        and all(t.dtype == torch.float32 for t in floats)
+        and (dev == "cpu" or (dev == "cuda" and ext.with_cuda()))
+    ):
+        return ext
+    return None
+
+
+def quantize_blocks(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    layout: QuantLayout,
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> None:
+    """Quantize ``x + residual`` blockwise into ``packed`` (see ``_quantize``).
+
+    ``x`` (float32 or float64) holds at most ``layout.elems`` values, the rest count as
+    zeros; ``residual`` and ``residual_out`` (what the rounding lost, ``v - D``) are
+    like ``x`` and may alias it or each other.
+    """
+    op = "quantize_blocks"
+    _check_packed(packed, layout, op)
+    _check_vector(x, "x", op, _QUANT_DTYPES, packed.device)
+    if x.numel() > layout.elems:
+        raise ValueError(f"{op}: x has {x.numel()} elements but the layout holds {layout.elems}")
+    tensors = [packed, x]
+    for t, what in ((residual, "residual"), (residual_out, "residual_out")):
+        if t is not None:
+            _check_like(t, x, what, "x", op)
+            tensors.append(t)
+    ext = _quant_impl(tensors)
+    if ext is None:
+        _quantize.quantize_blocks(x, packed, layout, residual, residual_out)
+    else:
+        ext.quantize_blocks(x, residual, packed, residual_out, layout.bits, layout.block_size,
+                            layout.pieces, layout.piece_elems, layout.piece_bytes)
+
+
+def dequantize_blocks(
+    packed: torch.Tensor,
+    layout: QuantLayout,
+    out: torch.Tensor,
+    *,
+    sum_pieces: bool = False,
+    base: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize ``packed`` into ``out`` (float32 or float64); returns ``out``.
+
+    ``sum_pieces=False``: the pieces back to back (``out`` holds at most
+    ``layout.elems`` values), ``out = D`` or, with ``base``, ``out = base - D``.
+    ``sum_pieces=True``: the pieces added in order (``out`` holds at most
+    ``layout.piece_elems`` values).
+    """
+    op = "dequantize_blocks"
+    _check_packed(packed, layout, op)
+    _check_vector(out, "out", op, _QUANT_DTYPES, packed.device)
+    limit = layout.piece_elems if sum_pieces else layout.elems
+    if out.numel() > limit:
+        raise ValueError(f"{op}: out has {out.numel()} elements but the layout holds {limit}"
+                         + (" per piece" if sum_pieces else ""))
+    tensors = [packed, out]
+    if base is not None:
+        if sum_pieces:
+            raise ValueError(f"{op}: base= goes with sum_pieces=False")
+        _check_like(base, out, "base", "out", op)
+        tensors.append(base)
+    ext = _quant_impl(tensors)
+    if ext is None:
+        return _quantize.dequantize_blocks(packed, layout, out, sum_pieces=sum_pieces, base=base)
+    ext.dequantize_blocks(packed, base, out, layout.bits, layout.block_size, layout.pieces,
+                          layout.piece_elems, layout.piece_bytes, bool(sum_pieces))
+    return out
+
+
+__all__ = ["backend", "flatten", "unflatten_", "delta", "apply_", "SUPPORTED_DTYPES",
+           "QuantLayout", "quantize_blocks", "dequantize_blocks"]

@@ -1,0 +1,342 @@
+"""Blockwise int8 / int4 averaging of the parameter *change*: ``int8_compress_hook``, ``int4_compress_hook``.
+
+Like the half-precision hooks (:mod:`.compress`), these send the change since the last
+round, ``delta = anchor - params``, never the parameters, and compute the new parameters
+in the bucket's dtype. The change is quantized blockwise: per block of ``block_size``
+values one float32 scale (the block's absolute maximum over ``Q``, ``Q = 127`` for int8,
+``7`` for int4) and one code per value (int8; int4 as ``code + 8`` in 4 bits, two per
+byte), rounded to nearest (half to even, the same on every rank). An all-zero block gets
+scale 0 and codes 0, never NaN. Per bucket and round, on rank ``r`` of ``n``::
+
+    v_r = delta_r / n + e_r                      # e_r: error feedback (on by default)
+    D_r = dequant(quant(v_r));  e_r <- v_r - D_r  # this rank's own rounding
+    all-to-all: rank j receives piece j of every rank's codes and scales
+    T_j = sum_r D_r[piece j]                     # rank j, in float32 (float64 buckets: float64)
+    R_j = dequant(quant(T_j));  e_j[piece j] += T_j - R_j   # the requantization's rounding
+    all-gather the requantized pieces R_j
+    new = anchor - R                             # in the bucket's dtype; bit-identical ranks
+
+Sums of quantized values are not quantized values, hence the all-to-all, the sum in
+float32 and the requantization, instead of an allreduce of the codes. The bucket is
+padded with zeros to a multiple of ``n * block_size`` values, so each piece is a whole
+number of blocks.
+
+**Bytes.** ``stats.bytes_sent`` counts, per bucket and round, this rank's contribution:
+the codes and scales of its quantized delta, ``ceil(numel * bits / 8) + 4 *
+ceil(numel / block_size)`` bytes, whatever the world size. Not counted: the zero padding
+(fewer than ``n * block_size`` values) and the requantized piece each rank relays in the
+all-gather (``1 / n`` of the payload), just as the allreduce hooks count the tensor they
+reduce once, not the ring's traffic. On the wire each rank sends about ``2 (n - 1) / n``
+times the payload, as a ring allreduce of it would; nothing grows with the world size.
+At the default ``block_size=128`` that is 0.258 (int8) and 0.133 (int4) of float32.
+
+**Error bounds**, per element and round (tested in ``tests/test_quantized_hooks.py``).
+With ``a_r`` the largest ``|v_r|`` in the element's block, ``A`` the largest ``|T|`` there,
+and ``k = 1 + 2**-14`` (float32 rounding of the scale and the division):
+
+* this rank's own rounding: ``|v_r - D_r| <= k * a_r / (2 Q)`` (int8: ``a_r / 254``,
+  int4: ``a_r / 14``);
+* the requantization: ``|T - R| <= k * A / (2 Q)``;
+* so one round's result is within ``sum_r k * a_r / (2 Q) + k * A / (2 Q)`` of
+  ``anchor - sum_r v_r``, plus float32 rounding of the sum ``T`` (``(n - 1) * 2**-24 *
+  sum_r |D_r|``) and of the new parameters to their dtype.
+
+With ``error_feedback=False`` (``e_r = 0``) that is the error against the exact average
+``anchor - mean(delta)``, and it is lost: for a persistent update direction these errors
+add up linearly over rounds, ``rounds * (sum_r k a_r / (2 Q) + k A / (2 Q))`` in the
+worst case. With error feedback both roundings stay in the residuals (the
+requantization's on the rank that reduced the piece) and re-enter the next round's sum,
+so ``sum_r e_r = sum_r v_r - R`` each round and, telescoping, the parameters equal the
+exact trajectory ``anchor_0 - sum over rounds of mean(delta)`` plus ``sum_r e_r``: at
+any round count the error stays within one round's bound above; only the float32
+roundings of the last item add up (the parameters' own precision).
+
+Where the residual ``e_r`` lives (float32; float64 for float64 buckets):
+
+* ``state`` is a :class:`QuantizedDeltaState`: in the state, keyed by ``bucket.index()``,
+  saved by ``state_dict()`` (so ``handle.state_dict()`` checkpoints it);
+* ``state`` is ``None`` or a ``ProcessGroup``: error feedback on, block size 128, the
+  residual in ``bucket.memory()``, which ``handle.state_dict()`` saves.
+
+Collective ordering: as in :func:`.powersgd_hook`, both collectives are issued by the
+caller's thread, in the hook, in bucket order: the hook waits for the all-to-all
+(on gloo the host waits; with NCCL only the stream), reduces and requantizes its piece,
+issues the all-gather and returns; only the dequantization runs in a ``.then`` callback.
+A collective issued from a callback thread could overtake another one issued meanwhile
+on the same group (the next bucket's, a buffer average), in a different order on each
+rank, and gloo and NCCL pair collectives by the order each rank issues them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .._checks import check_bool, check_int
+from .._groups import check_group, is_member, or_world
+from ..bucket import ParamBucket
+from ..ops import QuantLayout
+from ..protocol import averaging_hook
+from ._comm import completed
+from ._per_bucket import PerBucket
+from .compress import _sub_
+
+_OWNER = "QuantizedDeltaState"
+DEFAULT_BLOCK_SIZE = 128
+_MEMORY_KEY = "quant_residual"
+
+
+def _compute_dtype(bucket: ParamBucket) -> torch.dtype:
+    return torch.float64 if bucket.dtype == torch.float64 else torch.float32
+
+
+def _zeros(bucket: ParamBucket) -> torch.Tensor:
+    return torch.zeros(bucket.numel(), dtype=_compute_dtype(bucket), device=bucket.device)
+
+
+def _load_residual(mine: torch.Tensor, saved: torch.Tensor) -> None:
+    if mine.numel() != saved.numel():
+        raise ValueError(f"it holds {mine.numel()} elements, the checkpoint {saved.numel()}")
+    mine.copy_(saved)
+
+
+class _Scratch:
+    """A bucket's payload buffers for one layout: reused from round to round."""
+
+    __slots__ = ("layout", "send", "recv", "piece")
+
+    def __init__(self, layout: QuantLayout, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout = layout
+        # send doubles as the all-gather's output once the all-to-all has read it
+        self.send = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros_like(self.send)
+        self.piece = torch.empty(layout.piece_elems, dtype=dtype, device=device)
+
+    def _memory_tensors(self):
+        yield from (("scratch", t) for t in (self.send, self.recv, self.piece))
+
+
+def _scratch(table, bucket: ParamBucket, layout: QuantLayout) -> _Scratch:
+    s = table.get(bucket)
+    if s is None or s.layout != layout:
+        s = table[bucket] = _Scratch(layout, _compute_dtype(bucket), bucket.device)
+    return s
+
+
+# With state None / a ProcessGroup the residual lives in bucket.memory()[_MEMORY_KEY];
+# this weak table only caches each bucket's payload buffers.
+_SCRATCH: weakref.WeakKeyDictionary[ParamBucket, _Scratch] = weakref.WeakKeyDictionary()
+
+
+class QuantizedDeltaState:
+    """Options and error-feedback memory for :func:`int8_compress_hook` / :func:`int4_compress_hook`.
+
+    Args:
+        block_size: values per float32 scale (an even int >= 2). Smaller blocks follow
+            the delta's magnitude more closely and cost ``4 / block_size`` bytes per value.
+        error_feedback: carry both roundings (this rank's own and the requantization of
+            the piece it reduced) into the next round (default ``True``).
+        process_group: group to average over; ``None`` means the default group.
+
+    One state per registration: residuals are keyed by ``bucket.index()``.
+    ``state_dict()`` holds this rank's residuals (they differ between ranks).
+
+    Example:
+        >>> from ddp_avg_hooks.hooks import QuantizedDeltaState
+        >>> QuantizedDeltaState(block_size=64).state_dict()
+        {'block_size': 64, 'error_feedback': True, 'residuals': {}}
+        >>> QuantizedDeltaState(block_size=63)
+        Traceback (most recent call last):
+        ...
+        ValueError: QuantizedDeltaState: block_size must be even (int4 packs two codes per byte, never across blocks), got 63; try 64 or 128
+    """
+
+    __slots__ = ("block_size", "error_feedback", "process_group", "_residuals", "_scratch")
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = True,
+                 process_group: dist.ProcessGroup | None = None) -> None:
+        check_int("block_size", block_size, 2, owner=_OWNER, fix="try 64 or 128")
+        if block_size % 2:
+            raise ValueError(
+                f"{_OWNER}: block_size must be even (int4 packs two codes per byte, never "
+                f"across blocks), got {block_size}; try 64 or 128"
+            )
+        self.block_size = block_size
+        self.error_feedback = check_bool("error_feedback", error_feedback, owner=_OWNER)
+        self.process_group = check_group(process_group, _OWNER)
+        self._residuals: PerBucket[torch.Tensor] = PerBucket(
+            _OWNER, create=_zeros, save=torch.clone, load=_load_residual, numel=torch.Tensor.numel)
+        self._scratch: weakref.WeakKeyDictionary[ParamBucket, _Scratch] = weakref.WeakKeyDictionary()
+
+    def _memory_tensors(self):
+        yield from (("residuals", t) for _, t in self._residuals.items())
+        for s in list(self._scratch.values()):
+            yield from s._memory_tensors()
+
+    def state_dict(self) -> dict:
+        """This rank's residuals (``bucket.index() -> tensor``) and the options."""
+        return {"block_size": self.block_size, "error_feedback": self.error_feedback,
+                "residuals": self._residuals.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore residuals saved by :meth:`state_dict` (before or after the first round)."""
+        saved = int(state_dict["block_size"])
+        if saved != self.block_size:
+            raise ValueError(
+                f"{_OWNER}.load_state_dict: the checkpoint has block_size={saved}, this state "
+                f"{self.block_size}; use the same block_size to resume"
+            )
+        self.error_feedback = bool(state_dict["error_feedback"])
+        self._residuals.load_state_dict(state_dict["residuals"])
+
+    def __getstate__(self) -> dict:  # process groups do not pickle
+        return self.state_dict()
+
+    def __setstate__(self, s: dict) -> None:
+        self.__init__(s["block_size"], s["error_feedback"])
+        self.load_state_dict(s)
+
+    def __repr__(self) -> str:
+        return (f"{_OWNER}(block_size={self.block_size}, error_feedback={self.error_feedback}, "
+                f"process_group={self.process_group!r})")
+
+
+def _validator(name: str):
+    def validate_state(state) -> None:
+        if not isinstance(state, QuantizedDeltaState):
+            check_group(state, name, what="state",
+                        also="a QuantizedDeltaState(block_size=..., error_feedback=...)")
+
+    return validate_state
+
+
+_VALIDATORS = {8: _validator("int8_compress_hook"), 4: _validator("int4_compress_hook")}
+
+
+def _bucket_residual(bucket: ParamBucket) -> torch.Tensor:
+    """The residual kept in ``bucket.memory()`` (so the handle checkpoints it)."""
+    stored = bucket.memory().get(_MEMORY_KEY)
+    if stored is None:
+        stored = bucket.memory()[_MEMORY_KEY] = _zeros(bucket)
+    return stored
+
+
+def _options(state, bucket: ParamBucket, bits: int):
+    """(group, block size, residual or None, scratch table) for a hook call."""
+    if isinstance(state, QuantizedDeltaState):
+        residual = state._residuals.get(bucket) if state.error_feedback else None
+        return or_world(state.process_group), state.block_size, residual, state._scratch
+    _VALIDATORS[bits](state)
+    return or_world(state), DEFAULT_BLOCK_SIZE, _bucket_residual(bucket), _SCRATCH
+
+
+def _prepare_bucket(state, bucket: ParamBucket) -> None:
+    """Create the residual at registration, so a fresh handle's ``state_dict()`` already
+    has the structure a checkpoint loads into."""
+    if isinstance(state, QuantizedDeltaState):
+        if state.error_feedback:
+            state._residuals.get(bucket)
+    else:
+        _bucket_residual(bucket)
+
+
+def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, piece, group=group, async_op=True)
+
+
+def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.futures.Future:
+    group, block_size, residual, table = _options(state, bucket, bits)
+    if not is_member(group):
+        return completed(bucket.buffer())
+    n, rank, numel = dist.get_world_size(group), dist.get_rank(group), bucket.numel()
+    layout = QuantLayout.for_bucket(numel, n, block_size, bits)
+    bufs = _scratch(table, bucket, layout)
+    ct = _compute_dtype(bucket)
+    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
+    # the delta is read for the last time before the result overwrites the workspace
+    delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
+    ops.quantize_blocks(delta, bufs.send, layout, residual=residual, residual_out=residual)
+    bucket.record_sent(*layout.payload(bufs.send, numel))
+    dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True).wait()
+
+    # this rank's piece: sum every rank's version, requantize it into the all-gather input
+    size, start = layout.piece_bytes, rank * layout.piece_elems
+    total = ops.dequantize_blocks(bufs.recv, layout, bufs.piece, sum_pieces=True)
+    mine = bufs.send[rank * size : (rank + 1) * size]
+    ops.quantize_blocks(total, mine, layout.one_piece(),
+                        residual_out=total if residual is not None else None)
+    if residual is not None and start < numel:  # total now holds T - R: the requantization's loss
+        end = min(start + layout.piece_elems, numel)
+        residual[start:end].add_(total[: end - start])
+    fut = _all_gather(bufs.send, mine, group).get_future()
+
+    def _decompress(_fut: torch.futures.Future) -> torch.Tensor:
+        if out.dtype == ct:  # new = anchor - R in one pass
+            return ops.dequantize_blocks(bufs.send, layout, out, base=anchor)
+        return _sub_(anchor, ops.dequantize_blocks(bufs.send, layout, delta), out)
+
+    return fut.then(_decompress)
+
+
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_prepare_bucket)
+def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
+    """Average the parameter change since the last round, sent as blockwise int8.
+
+    One int8 code per value and one float32 scale per ``block_size`` values (128 by
+    default: 0.258 of float32's bytes). See the module docstring for the algorithm, the
+    bytes counted and the error bounds; the parameters never pass through int8 and the
+    new values are computed in the bucket's dtype.
+
+    Args:
+        state: ``None`` (default group) or a ``ProcessGroup``: error feedback on, block
+            size 128, the residual kept in ``bucket.memory()`` (saved by
+            ``handle.state_dict()``); or a :class:`QuantizedDeltaState` for options.
+        bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
+
+    Returns:
+        A future of the new flat parameters (written into ``bucket.workspace()``).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.int8_compress_hook, None, period=2)
+        >>> [handle.step() for _ in range(3)], handle.stats.bytes_sent  # (10 codes + 1 scale) x 2
+        ([True, False, True], 28)
+        >>> handle.remove(); dist.destroy_process_group()
+    """
+    return _quantized_delta_hook(state, bucket, 8)
+
+
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4], prepare_bucket=_prepare_bucket)
+def int4_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
+    """Average the parameter change since the last round, sent as blockwise int4.
+
+    Same as :func:`int8_compress_hook` with codes in ``[-7, 7]``, two per byte (0.133 of
+    float32's bytes at ``block_size=128``): a coarser rounding, so error feedback matters
+    more.
+
+    Args:
+        state: ``None``, a ``ProcessGroup`` or a :class:`QuantizedDeltaState`.
+        bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
+
+    Returns:
+        A future of the new flat parameters (written into ``bucket.workspace()``).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 32))
+        >>> state = dah.hooks.QuantizedDeltaState(block_size=64)
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.int4_compress_hook, state)
+        >>> handle.step(), handle.stats.bytes_sent  # 2080 values: 1040 code bytes + 33 scales
+        (True, 1172)
+        >>> handle.remove(); dist.destroy_process_group()
+    """
+    return _quantized_delta_hook(state, bucket, 4)
