@@ -7,6 +7,15 @@ to a temporary name, flushed to disk and renamed, and a round counts as complete
 rank only once its marker file exists, so a crash during a save never leaves a torn
 checkpoint that loads. The last ``keep`` rounds that all ranks completed are kept.
 
+Saves survive being killed anywhere (``SIGKILL``, a node lost), then re-done by restarted
+processes: a save first removes this rank's marker of that round, so a marker always
+belongs to the files beside it; and each marker names the *session* that wrote it (a
+token the ranks agree on at :meth:`~RoundCheckpointer.restore` or at the first save), so
+a round counts as completed only if every rank's marker names the same session. Ranks'
+files from two different attempts at one round (one rank finished it before a crash,
+the others only after the restart) are therefore never combined, even when a run is not
+bit-reproducible.
+
 What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
 
 * ``rank{r}.pt``: the optimizer and LR scheduler state, ``handle.state_dict()`` (step
@@ -17,7 +26,7 @@ What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
   rank holds bit-identical parameters, so one copy is enough (on restore rank 0 reads it
   and broadcasts it, so the ranks need no shared file system). After an overlapped round
   (``overlap=True``) replicas differ, and each rank writes ``model_rank{r}.pt``.
-* ``rank{r}.done``: the marker, written last.
+* ``rank{r}.done``: the marker, written last (atomically; it holds the session token).
 
 Plain files and ``torch.save`` are used rather than ``torch.distributed.checkpoint``: DCP
 saves one copy of a tensor that every rank names the same, which loses the per-rank
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import os
 import random
+import uuid
 from pathlib import Path
 
 import torch
@@ -62,6 +72,15 @@ def _atomic_save(obj, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(text: str, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -107,6 +126,7 @@ class RoundCheckpointer:
         self.group = process_group
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self._saved_at = handle.rounds_started
+        self._session: str | None = None  # agreed by the ranks at restore() or the first save
 
     # --- saving -----------------------------------------------------------------------
     def maybe_save(self) -> bool:
@@ -131,6 +151,9 @@ class RoundCheckpointer:
         rounds = self.handle.stats.rounds
         folder = self.directory / f"{_PREFIX}{rounds:08d}"
         folder.mkdir(parents=True, exist_ok=True)
+        session = self._agreed_session()
+        # a marker left by an earlier attempt at this round must not vouch for the new files
+        (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
         own_model = self.handle._options.overlap
         if own_model:
             _atomic_save(self.model.state_dict(), folder / f"model_rank{self.rank}.pt")
@@ -144,21 +167,44 @@ class RoundCheckpointer:
             "own_model": own_model,
         }
         _atomic_save(state, folder / f"rank{self.rank}.pt")
-        (folder / f"rank{self.rank}.done").touch()
+        self._mark_completed(folder, session)
         self._prune()
         return folder
 
+    def _mark_completed(self, folder: Path, session: str) -> None:
+        """Write this rank's marker: its files in ``folder`` are complete.
+
+        The last step of a save (fault-injection tests override it to stop just before).
+        """
+        _atomic_write_text(session, folder / f"rank{self.rank}.done")
+
+    def _agreed_session(self) -> str:
+        """The token this process's markers carry: rank 0's, the same on every rank."""
+        if self._session is None:
+            token = [uuid.uuid4().hex]
+            if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+                dist.broadcast_object_list(token, src=src, group=self.group)
+            self._session = token[0]
+        return self._session
+
     def _prune(self) -> None:
+        """Remove this rank's files of rounds older than the newest common one, but the
+        ``keep`` newest common; completed or not (an interrupted save leaves files)."""
         common = self._common_rounds()
         keep = set(common[-self.keep:])
         newest_common = common[-1] if common else -1
-        for rounds in self.completed_rounds():
+        for folder in self.directory.glob(f"{_PREFIX}*"):
+            try:
+                rounds = int(folder.name[len(_PREFIX):])
+            except ValueError:
+                continue
             if rounds < newest_common and rounds not in keep:
-                folder = self.directory / f"{_PREFIX}{rounds:08d}"
                 for f in folder.glob(f"*rank{self.rank}.*"):
                     f.unlink(missing_ok=True)
                 if self.rank == 0:
-                    (folder / "model.pt").unlink(missing_ok=True)
+                    for f in folder.glob("model.pt*"):
+                        f.unlink(missing_ok=True)
                 try:  # the last rank to leave removes the folder (shared or not)
                     folder.rmdir()
                 except OSError:
@@ -184,25 +230,40 @@ class RoundCheckpointer:
     # --- restoring --------------------------------------------------------------------
     def completed_rounds(self) -> list[int]:
         """The rounds this rank completed a save of, oldest first."""
-        if not self.directory.is_dir():
-            return []
-        out = []
-        for folder in self.directory.glob(f"{_PREFIX}*"):
-            if (folder / f"rank{self.rank}.done").exists():
-                out.append(int(folder.name[len(_PREFIX):]))
-        return sorted(out)
+        return sorted(self._markers())
 
-    def _common_rounds(self) -> list[int]:
-        mine = self.completed_rounds()
+    def _markers(self) -> dict[int, str]:
+        """Round -> session token of this rank's marker, for the rounds it completed."""
+        if not self.directory.is_dir():
+            return {}
+        out = {}
+        for folder in self.directory.glob(f"{_PREFIX}*"):
+            try:
+                out[int(folder.name[len(_PREFIX):])] = (folder / f"rank{self.rank}.done").read_text()
+            except (OSError, ValueError):  # no marker (not completed), or not a round folder
+                pass
+        return out
+
+    def _common_rounds(self, propose_session: bool = False) -> list[int]:
+        """Rounds every rank completed in one session (collective unless world size 1).
+
+        ``propose_session``: also agree on this process's session token (rank 0's proposal).
+        """
+        mine = (self._markers(), uuid.uuid4().hex if propose_session else None)
         if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            return mine
-        gathered: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, mine, group=self.group)
-        return sorted(set.intersection(*(set(g) for g in gathered)))
+            gathered = [mine]
+        else:
+            gathered = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, mine, group=self.group)
+        if propose_session:
+            self._session = gathered[0][1]
+        first = gathered[0][0]
+        return sorted(r for r, token in first.items()
+                      if all(g[0].get(r) == token for g in gathered[1:]))
 
     def restore(self) -> int | None:
         """Load the newest round every rank completed (collective); its number, or ``None``."""
-        common = self._common_rounds()
+        common = self._common_rounds(propose_session=True)
         if not common:
             return None
         folder = self.directory / f"{_PREFIX}{common[-1]:08d}"

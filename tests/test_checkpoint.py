@@ -59,16 +59,27 @@ def test_stop_and_resume_is_bit_identical(tmp_path, wrapped):
     assert not torch.equal(straight[0]["params"], straight[1]["params"])  # local steps after the last round
 
 
-def test_a_round_one_rank_did_not_finish_saving_is_not_used(tmp_path):
+@pytest.mark.parametrize("how", ["no marker", "another session"])
+def test_a_round_one_rank_did_not_finish_saving_is_not_used(tmp_path, how):
     straight = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "a"))
     run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), stop_at=10)
     newest = tmp_path / "b" / "round-00000003"
-    (newest / "rank1.done").unlink()  # rank 1 died while saving round 3: its marker never came
-    (newest / "rank1.pt").write_bytes(b"torn")
+    if how == "no marker":  # rank 1 died while saving round 3: its marker never came
+        (newest / "rank1.done").unlink()
+        (newest / "rank1.pt").write_bytes(b"torn")
+    else:  # rank 0's round 3 is from an earlier attempt at it (a crash, then a restart)
+        assert (newest / "rank0.done").read_text() == (newest / "rank1.done").read_text()
+        (newest / "rank0.done").write_text("an earlier session")
+    (tmp_path / "b" / "round-00000001").mkdir()  # a save of round 1 cut short on rank 1
+    (tmp_path / "b" / "round-00000001" / "rank1.pt.tmp").write_bytes(b"torn")
     resumed = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), resume=True)
     for r in range(2):
         assert resumed[r]["restored"] == 2 and resumed[r]["restored_at"][:2] == (6, 2)
         assert torch.equal(resumed[r]["params"], straight[r]["params"])
+    # the resumed run saved round 3 again (both markers of the new session) and pruned
+    # the leftovers of rounds older than the newest two it kept
+    assert resumed[0]["completed"] == resumed[1]["completed"] == [3, 4]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["round-00000003", "round-00000004"]
 
 
 def test_overlapped_rounds_keep_a_model_per_rank(tmp_path):

@@ -53,17 +53,24 @@ def loopback_command(train_args: list[str], nproc: int = 2) -> list[str]:
 
 
 def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | None = None,
-                      nproc_per_node: int = 1) -> list[tuple[list[str], dict]]:
-    """(argv, extra env) for the torchrun of each node; node a hosts the rendezvous."""
+                      nproc_per_node: int = 1, *, script: str = TRAIN,
+                      torchrun_args: tuple[str, ...] = (), rdzv_conf: str = ""
+                      ) -> list[tuple[list[str], dict]]:
+    """(argv, extra env) for the torchrun of each node; node a hosts the rendezvous.
+
+    ``script`` runs instead of ``train.py``; ``torchrun_args`` (e.g. ``--max-restarts 2``)
+    and ``rdzv_conf`` (``key=value,...`` after ``is_host``) go to both torchruns.
+    """
     rdzv_id = rdzv_id or uuid.uuid4().hex[:8]
     out = []
     for i in (0, 1):
+        conf = f"is_host={1 if i == 0 else 0}" + (f",{rdzv_conf}" if rdzv_conf else "")
         argv = pair.exec_prefix(i) + [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{pair.addr[0]}:{RDZV_PORT}", "--rdzv-id", rdzv_id,
-            "--local-addr", pair.addr[i], "--rdzv-conf", f"is_host={1 if i == 0 else 0}",
-            TRAIN, *train_args]
+            "--local-addr", pair.addr[i], "--rdzv-conf", conf, *torchrun_args,
+            script, *train_args]
         out.append((argv, {"GLOO_SOCKET_IFNAME": pair.ifname[i], "DAH_WIRE_IFACE": pair.ifname[i]}))
     return out
 
