@@ -17,6 +17,22 @@
  *   delta:     out[off+j]   = cast((float(anchor[off+j]) - float(p[j])) * scale)
  *   apply:     p[j]         = cast(flat[off+j]); anchor[off+j] = p[j]   (anchor may be NULL,
  *              and otherwise has the parameters' dtype)
+ *
+ * Blockwise quantization (float32 only; ddp_avg_hooks/_quantize.py is the reference). A
+ * payload holds `pieces` pieces of `piece_elems` values, a multiple of `block` (even);
+ * piece p sits at packed + p * piece_bytes as [blocks float32 scales][codes][zeros to a
+ * multiple of 4 bytes], piece_bytes = 4 * blocks + round_up(piece_elems * bits / 8, 4).
+ * int8 codes: q as int8; int4 codes: q + 8 in a nibble, value 2i low, 2i + 1 high. Q = 127
+ * (int8) or 7 (int4), c = (float)(1.0 / Q):
+ *   quantize:   v[j] = e_in ? x[j] + e_in[j] : x[j] for j < numel, 0 up to pieces *
+ *               piece_elems; per block scale = max|v| * c, d = scale == 0 ? 1 : scale,
+ *               q[j] = clamp(round_half_even(v[j] / d), -Q, Q), e_out[j] = v[j] - q[j] *
+ *               scale (j < numel). e_in and e_out may be NULL, may alias x or each other.
+ *   dequantize: D = q * scale of each value; sum_pieces 0: out[j] = base ? base[j] - D[j]
+ *               : D[j] for j < numel <= pieces * piece_elems (the pieces back to back);
+ *               sum_pieces 1: out[j] = D_0[j] + D_1[j] + ... added in piece order, for
+ *               j < numel <= piece_elems (base must be NULL).
+ * No operation is fused (no FMA): the results equal the PyTorch reference bit for bit.
  */
 #ifndef DDP_AVG_HOOKS_KERNELS_H_
 #define DDP_AVG_HOOKS_KERNELS_H_
@@ -49,6 +65,14 @@ int dah_delta_cpu(const void* anchor, int anchor_dtype, const void* const* param
 int dah_apply_cpu(const void* flat, int flat_dtype, void* const* params, const int64_t* numels,
                   const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
                   int num_threads);
+/* the vector bodies of the quantization kernels (dah_cpu_simd switches them too) */
+int dah_quantize_simd(int mode);
+int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
+                     int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
+                     float* e_out, int num_threads);
+int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t pieces,
+                       int64_t piece_elems, int64_t piece_bytes, const float* base, float* out,
+                       int64_t numel, int sum_pieces, int num_threads);
 
 /* ---- CUDA: asynchronous on `stream` (a cudaStream_t); all pointers on the current
  * device. A list longer than one launch's capacity (DAH_CUDA_MAX_TENSORS) takes
@@ -66,6 +90,12 @@ int dah_delta_cuda(const void* anchor, int anchor_dtype, const void* const* para
 int dah_apply_cuda(const void* flat, int flat_dtype, void* const* params, const int64_t* numels,
                    const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
                    void* stream);
+int dah_quantize_cuda(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
+                      int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
+                      float* e_out, void* stream);
+int dah_dequantize_cuda(const uint8_t* packed, int bits, int64_t block, int64_t pieces,
+                        int64_t piece_elems, int64_t piece_bytes, const float* base, float* out,
+                        int64_t numel, int sum_pieces, void* stream);
 const char* dah_cuda_error_string(int code);
 
 #ifdef __cplusplus

@@ -251,6 +251,7 @@ const typename D::T* at(const void* base, int64_t off) {
 extern "C" {
 
 int dah_cpu_simd(int mode) {
+  dah_quantize_simd(mode);
 #ifdef DAH_X86_AVX2
   if (mode >= 0) kAvx2 = kHasAvx2 && mode > 0;
   return kAvx2 ? 1 : 0;

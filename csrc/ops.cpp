@@ -3,7 +3,8 @@
 // ddp_avg_hooks/ops.py validates every call (with the user-facing messages) and routes
 // here only calls the kernels can run: float32/float16/bfloat16 tensors, all on the
 // CPU, or on one CUDA device when built with DAH_WITH_CUDA. The binding only asserts
-// the invariants the kernels rely on (short messages), then runs. Parameters are
+// the invariants the kernels rely on (short messages), then runs; the quantization kernels
+// check their layout themselves and return an error for one that does not add up. Parameters are
 // grouped by dtype (one kernel call per group); non-contiguous parameters
 // (channels_last, strided views) go through a contiguous temporary. All bindings
 // release the GIL.
@@ -226,6 +227,101 @@ void apply(const at::Tensor& flat, const std::vector<at::Tensor>& params,
   if (anchor.has_value()) bump(*anchor);
 }
 
+// ---- blockwise quantization: float32 values, a uint8 payload (see kernels.h) ----
+
+void check_values(const char* op, const at::Tensor& t, const at::Tensor& packed) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous() &&
+                  t.device() == packed.device(),
+              op, ": values must be contiguous 1-D float32 on the payload's device");
+}
+
+void check_payload(const char* op, const at::Tensor& packed, int64_t pieces, int64_t piece_bytes) {
+  TORCH_CHECK(kernel_device(packed.device()), op, ": device not supported by the kernels");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 1 && packed.is_contiguous() &&
+                  packed.numel() == pieces * piece_bytes,
+              op, ": packed must be contiguous 1-D uint8 of pieces * piece_bytes bytes");
+}
+
+const float* ptr_or_null(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr<float>() : nullptr;
+}
+
+// Runs `cpu(threads)` or `cuda(stream)` on the payload's device; rc 0 is success.
+template <class Cpu, class Cuda>
+void run_on(const char* op, const at::Tensor& packed, const Cpu& cpu, const Cuda& cuda) {
+  if (packed.is_cpu()) {
+    const int rc = cpu(at::get_num_threads());
+    TORCH_CHECK(rc == 0, op, ": CPU kernel failed with code ", rc, " (bad layout or sizes)");
+    return;
+  }
+#ifdef DAH_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const int rc = cuda(at::cuda::getCurrentCUDAStream(packed.device().index()).stream());
+  TORCH_CHECK(rc == 0, op, ": CUDA kernel failed: ", dah_cuda_error_string(rc));
+#else
+  (void)cuda;
+  TORCH_CHECK(false, op, ": built without CUDA");
+#endif
+}
+
+void quantize_blocks(const at::Tensor& x, const std::optional<at::Tensor>& e_in,
+                     const at::Tensor& packed, const std::optional<at::Tensor>& e_out,
+                     int64_t bits, int64_t block, int64_t pieces, int64_t piece_elems,
+                     int64_t piece_bytes) {
+  const char* op = "quantize_blocks";
+  check_payload(op, packed, pieces, piece_bytes);
+  check_values(op, x, packed);
+  for (const auto* e : {&e_in, &e_out})
+    if (e->has_value()) {
+      check_values(op, **e, packed);
+      TORCH_CHECK((*e)->numel() == x.numel(), op, ": residuals must have x's size");
+    }
+  const float* xp = x.data_ptr<float>();
+  const float* ep = ptr_or_null(e_in);
+  float* eo = e_out.has_value() ? e_out->data_ptr<float>() : nullptr;
+  uint8_t* pk = packed.data_ptr<uint8_t>();
+  const int b = static_cast<int>(bits);
+  run_on(
+      op, packed,
+      [&](int threads) {
+        return dah_quantize_cpu(xp, ep, x.numel(), b, block, pieces, piece_elems, piece_bytes,
+                                pk, eo, threads);
+      },
+      [&](void* stream) {
+        return dah_quantize_cuda(xp, ep, x.numel(), b, block, pieces, piece_elems, piece_bytes,
+                                 pk, eo, stream);
+      });
+  bump(packed);
+  if (e_out.has_value()) bump(*e_out);
+}
+
+void dequantize_blocks(const at::Tensor& packed, const std::optional<at::Tensor>& base,
+                       const at::Tensor& out, int64_t bits, int64_t block, int64_t pieces,
+                       int64_t piece_elems, int64_t piece_bytes, bool sum_pieces) {
+  const char* op = "dequantize_blocks";
+  check_payload(op, packed, pieces, piece_bytes);
+  check_values(op, out, packed);
+  if (base.has_value()) {
+    check_values(op, *base, packed);
+    TORCH_CHECK(base->numel() == out.numel(), op, ": base must have out's size");
+  }
+  const uint8_t* pk = packed.data_ptr<uint8_t>();
+  const float* bp = ptr_or_null(base);
+  float* op_ = out.data_ptr<float>();
+  const int b = static_cast<int>(bits), sp = sum_pieces ? 1 : 0;
+  run_on(
+      op, packed,
+      [&](int threads) {
+        return dah_dequantize_cpu(pk, b, block, pieces, piece_elems, piece_bytes, bp, op_,
+                                  out.numel(), sp, threads);
+      },
+      [&](void* stream) {
+        return dah_dequantize_cuda(pk, b, block, pieces, piece_elems, piece_bytes, bp, op_,
+                                   out.numel(), sp, stream);
+      });
+  bump(out);
+}
+
 bool with_cuda() {
 #ifdef DAH_WITH_CUDA
   return true;
@@ -248,6 +344,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("apply_", &apply, "params <- flat, anchor <- params",
         py::arg("flat"), py::arg("params"), py::arg("anchor") = py::none(), release());
+  m.def("quantize_blocks", &quantize_blocks,
+        "blockwise absmax quantization of x (+ e_in) into packed; e_out <- what it lost",
+        py::arg("x"), py::arg("e_in"), py::arg("packed"), py::arg("e_out"), py::arg("bits"),
+        py::arg("block"), py::arg("pieces"), py::arg("piece_elems"), py::arg("piece_bytes"),
+        release());
+  m.def("dequantize_blocks", &dequantize_blocks,
+        "out <- the payload's values (base - them), or the sum of its pieces",
+        py::arg("packed"), py::arg("base"), py::arg("out"), py::arg("bits"), py::arg("block"),
+        py::arg("pieces"), py::arg("piece_elems"), py::arg("piece_bytes"),
+        py::arg("sum_pieces"), release());
   m.def("with_cuda", &with_cuda, "whether the CUDA kernels were compiled in");
   m.def("_cpu_simd", &dah_cpu_simd, "CPU vector bodies: 1 on, 0 off, -1 query (tests only)",
         py::arg("mode") = -1);

@@ -42,8 +42,8 @@ import torch
 ENV_DISABLE = "DDP_AVG_HOOKS_DISABLE_EXT"
 _NAME = "ddp_avg_hooks_C"
 _PREBUILT = "ddp_avg_hooks._C"  # a module a packaged build may ship
-_CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp")
-_CUDA_SOURCES = ("kernels_cuda.cu",)
+_CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp", "quantize_cpu.cpp")
+_CUDA_SOURCES = ("kernels_cuda.cu", "quantize_cuda.cu")
 
 
 def disabled() -> bool:
@@ -111,8 +111,9 @@ def _jit_build(verbose: bool = False) -> ModuleType:
     src = source_dir()
     with_cuda = _want_cuda()
     sources = [str(src / f) for f in _CPP_SOURCES]
-    cflags = ["-O3"]
-    cuda_flags = ["-O3"]
+    # no FMA contraction: the kernels match the PyTorch reference bit for bit
+    cflags = ["-O3", "-ffp-contract=off"]
+    cuda_flags = ["-O3", "--fmad=false"]
     if with_cuda:
         sources += [str(src / f) for f in _CUDA_SOURCES]
         cflags.append("-DDAH_WITH_CUDA")

@@ -35,14 +35,17 @@ def test_failed_build_warns_once(monkeypatch):
 
 def test_sources_found():
     src = _ext.source_dir()
-    assert {"kernels.h", "dtypes.h", "ops.cpp", "kernels_cpu.cpp", "kernels_cuda.cu"} <= {f.name for f in src.iterdir()}
+    names = {f.name for f in src.iterdir()}
+    assert {"kernels.h", "dtypes.h", "ops.cpp", "kernels_cpu.cpp", "kernels_cuda.cu"} <= names
+    assert set(_ext._CPP_SOURCES) | set(_ext._CUDA_SOURCES) <= names
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
-def test_cuda_kernels_compile_alone(tmp_path):
-    """kernels_cuda.cu needs only the CUDA headers: plain `nvcc -c` compiles it."""
+@pytest.mark.parametrize("source", ["kernels_cuda.cu", "quantize_cuda.cu"])
+def test_cuda_kernels_compile_alone(tmp_path, source):
+    """The CUDA sources need only the CUDA headers: plain `nvcc -c` compiles them."""
     r = subprocess.run(
-        ["nvcc", "-std=c++17", "-c", str(REPO / "csrc" / "kernels_cuda.cu"), "-o", str(tmp_path / "k.o")],
+        ["nvcc", "-std=c++17", "-c", str(REPO / "csrc" / source), "-o", str(tmp_path / "k.o")],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_avg_hooks import _ext, _fallback, ops
+from ddp_avg_hooks import _ext, _fallback, _quantize, ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
@@ -567,3 +567,201 @@ def test_no_build_at_import_and_disable_env():
     )
     env = dict(os.environ, DDP_AVG_HOOKS_DISABLE_EXT="1", OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO, timeout=120)
+
+
+# ---------------------------------------------------------------- blockwise quantization
+# The fused kernels (quantize; dequantize, back to back or summing the pieces) against the
+# plain-PyTorch reference of ``_quantize``: identical bytes and bits, signed zeros included,
+# on finite inputs (zeros, subnormals, huge values, odd lengths, partial blocks).
+
+QLAYOUTS = [  # (numel, block, pieces, piece_elems or None: as a bucket of that many ranks)
+    pytest.param(1000, 32, 4, None, id="4-pieces"),
+    pytest.param(7, 2, 1, 8, id="odd-count"),
+    pytest.param(129, 128, 2, None, id="partial-block"),
+    pytest.param(0, 4, 2, 4, id="empty"),
+    pytest.param(1001, 10, 3, None, id="block-10"),
+    pytest.param(333, 64, 1, 384, id="padding"),
+    pytest.param(300_001, 128, 2, None, id="large"),  # several threads
+]
+
+
+def _finite(n: int, seed: int) -> torch.Tensor:
+    x = values(n, torch.float32, seed)
+    x = torch.where(torch.isfinite(x) & (x.abs() < 1e36), x, torch.zeros_like(x))
+    if n > 8:
+        x[n // 3 : n // 3 + n // 4] = 0.0  # whole zero blocks
+        x[n // 2 : n // 2 + 64] = -0.0
+    return x
+
+
+def _qlayout(numel, block, pieces, piece_elems, bits):
+    if piece_elems is None:
+        return ops.QuantLayout.for_bucket(numel, pieces, block, bits)
+    return ops.QuantLayout(bits, block, pieces, piece_elems)
+
+
+class _QExt:
+    def __init__(self, m):
+        self.m = m
+
+    def quantize(self, x, packed, layout, residual=None, residual_out=None):
+        self.m.quantize_blocks(x, residual, packed, residual_out, layout.bits, layout.block_size,
+                               layout.pieces, layout.piece_elems, layout.piece_bytes)
+
+    def dequantize(self, packed, layout, out, sum_pieces=False, base=None):
+        self.m.dequantize_blocks(packed, base, out, layout.bits, layout.block_size, layout.pieces,
+                                 layout.piece_elems, layout.piece_bytes, sum_pieces)
+        return out
+
+
+class _QRef:
+    def quantize(self, x, packed, layout, residual=None, residual_out=None):
+        _quantize.quantize_blocks(x, packed, layout, residual, residual_out)
+
+    def dequantize(self, packed, layout, out, sum_pieces=False, base=None):
+        return _quantize.dequantize_blocks(packed, layout, out, sum_pieces=sum_pieces, base=base)
+
+
+def _q_run(q, layout, x, e, base, case):
+    """Every output of one quantize + dequantize pass."""
+    n, dev = x.numel(), x.device
+    packed = torch.full((layout.total_bytes,), 0, dtype=torch.uint8, device=dev)
+    e_out = torch.full((n,), 7.0, device=dev)
+    with op_threads(case):
+        q.quantize(x, packed, layout, e, e_out)
+        alias = e.clone()  # residual_out aliasing the residual, as the hooks run it
+        packed2 = torch.zeros_like(packed)
+        q.quantize(x, packed2, layout, alias, alias)
+        plain = torch.zeros_like(packed)  # no residual, none out
+        q.quantize(x, plain, layout)
+        m = min(n, layout.elems)
+        cat = q.dequantize(packed, layout, torch.full((m,), 7.0, device=dev))
+        minus = q.dequantize(packed, layout, torch.full((m,), 7.0, device=dev), base=base[:m])
+        k = min(n, layout.piece_elems)
+        summed = q.dequantize(packed, layout, torch.full((k,), 7.0, device=dev), sum_pieces=True)
+    return [packed, e_out, packed2, alias, plain, cat, minus, summed]
+
+
+@pytest.fixture(params=["ext", "ext_scalar"])
+def qext(request):
+    m = _ext_module()
+    if request.param == "ext":
+        yield _QExt(m)
+        return
+    old = m._cpu_simd(-1)
+    m._cpu_simd(0)
+    try:
+        yield _QExt(m)
+    finally:
+        m._cpu_simd(old)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("numel,block,pieces,piece_elems", QLAYOUTS)
+def test_quantize_kernels_match_reference(qext, device, bits, numel, block, pieces, piece_elems,
+                                          request):
+    if device == "cuda" and not qext.m.with_cuda():
+        pytest.skip("extension built without CUDA")
+    case = "large" if numel > 100_000 else "small"
+    if case == "large" and qext.m._cpu_simd(-1) == 0 and device == "cpu":
+        pytest.skip("ext_scalar: the small cases cover the scalar bodies")
+    layout = _qlayout(numel, block, pieces, piece_elems, bits)
+    x = _finite(numel, seed=50 + bits).to(device)
+    e = (_finite(numel, seed=60) * 1e-3).to(device)
+    base = _finite(layout.elems, seed=70).to(device)
+    got = _q_run(qext, layout, x, e, base, case)
+    want = _q_run(_QRef(), layout, x, e, base, case)
+    names = ["packed", "e_out", "packed aliased", "e aliased", "packed plain", "cat", "base - D", "sum"]
+    for name, a, b in zip(names, got, want):
+        if a.dtype == torch.uint8:
+            assert torch.equal(a.cpu(), b.cpu()), name
+        else:
+            assert_bits(a, b, name)
+    if numel:
+        assert torch.isfinite(got[1]).all() and torch.isfinite(got[5]).all()  # never NaN
+
+
+def test_quantize_reference_semantics():
+    """The reference against the formulas of its docstring, written out for one block."""
+    layout = ops.QuantLayout(bits=4, block_size=4, pieces=2, piece_elems=4)
+    x = torch.tensor([0.7, -0.35, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0])
+    packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    e_out = torch.empty(8)
+    ops.quantize_blocks(x, packed, layout, residual_out=e_out)
+    s = 0.7 * torch.tensor(1 / 7, dtype=torch.float32)
+    q = torch.tensor([7.0, -4.0, 1.0, 0.0])  # -0.35 / s = -3.5: half to even
+    assert torch.equal(layout.scales(packed)[:, 0], torch.stack([s, torch.tensor(0.0)]))
+    assert layout.codes(packed).tolist() == [[(8 + 7) | ((8 - 4) << 4), (8 + 1) | (8 << 4)],
+                                             [0x88, 0x88]]
+    assert_bits(e_out[:4], x[:4] - q * s, "residual")
+    assert torch.equal(e_out[4:], torch.zeros(4))  # an all-zero block: scale 0, no NaN
+    assert_bits(ops.dequantize_blocks(packed, layout, torch.empty(8)),
+                torch.cat([q * s, torch.zeros(4)]), "dequantize")
+    assert_bits(ops.dequantize_blocks(packed, layout, torch.empty(4), sum_pieces=True), q * s, "sum")
+
+
+def test_quantize_float64_and_routing(monkeypatch):
+    layout = ops.QuantLayout.for_bucket(100, 2, 16, 8)
+    x = torch.linspace(-1, 1, 100, dtype=torch.float64)
+    packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    e_out = torch.empty_like(x)
+    ops.quantize_blocks(x, packed, layout, residual_out=e_out)  # float64: the reference
+    d = ops.dequantize_blocks(packed, layout, torch.empty(100, dtype=torch.float64))
+    assert torch.equal(d + e_out, x) and e_out.abs().max() <= 1 / 254 * (1 + 2**-14)
+    m = _ext.load_extension()
+    f32 = [torch.empty(3), torch.empty(3, dtype=torch.uint8)]
+    assert (ops._quant_impl(f32) is m) if m is not None else ops._quant_impl(f32) is None
+    assert ops._quant_impl([torch.empty(3, dtype=torch.float64)]) is None
+
+
+def _bad_quant_calls():
+    L = ops.QuantLayout.for_bucket(10, 1, 4, 8)
+    pk = torch.zeros(L.total_bytes, dtype=torch.uint8)
+    V, T = ValueError, TypeError
+    return {
+        "x-dtype": (lambda: ops.quantize_blocks(torch.zeros(10, dtype=torch.half), pk, L), T,
+                    "quantize_blocks: x has dtype torch.float16; expected float32 or float64"),
+        "x-size": (lambda: ops.quantize_blocks(torch.zeros(13), pk, L), V,
+                   "quantize_blocks: x has 13 elements but the layout holds 12"),
+        "packed-size": (lambda: ops.quantize_blocks(torch.zeros(10), pk[:-1], L), V,
+                        "quantize_blocks: packed has 23 bytes but the layout needs 24"),
+        "packed-dtype": (lambda: ops.quantize_blocks(torch.zeros(10), pk.view(torch.int8), L), T,
+                         "quantize_blocks: packed has dtype torch.int8; expected uint8"),
+        "residual-size": (lambda: ops.quantize_blocks(torch.zeros(10), pk, L, residual=torch.zeros(9)),
+                          V, "quantize_blocks: residual has 9 elements but x has 10"),
+        "residual-dtype": (lambda: ops.quantize_blocks(torch.zeros(10), pk, L,
+                                                       residual_out=torch.zeros(10, dtype=torch.float64)),
+                           T, "quantize_blocks: residual_out has dtype torch.float64; expected float32"),
+        "layout": (lambda: ops.quantize_blocks(torch.zeros(10), pk, (8, 4)), T,
+                   "quantize_blocks: layout must be a QuantLayout, got tuple"),
+        "out-size": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(13)), V,
+                     "dequantize_blocks: out has 13 elements but the layout holds 12"),
+        "base-with-sum": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(4), sum_pieces=True,
+                                                        base=torch.zeros(4)), V,
+                          "dequantize_blocks: base= goes with sum_pieces=False"),
+        "strided-out": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(20)[::2]), V,
+                        "dequantize_blocks: out must be a contiguous 1-D tensor"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_quant_calls()))
+def test_quantize_errors(name):
+    call, exc, msg = _bad_quant_calls()[name]
+    with pytest.raises(exc) as got:
+        call()
+    assert str(got.value).startswith(msg), str(got.value)
+
+
+def test_quantize_binding_refuses_bad_layouts():
+    m = _ext_module()
+    pk = torch.zeros(16, dtype=torch.uint8)
+    x = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="bad layout"):  # piece_bytes that does not add up
+        m.quantize_blocks(x, None, pk, None, 8, 4, 1, 12, 16)
+    with pytest.raises(RuntimeError, match="bad layout"):  # odd block
+        m.quantize_blocks(x, None, torch.zeros(20, dtype=torch.uint8), None, 8, 3, 1, 12, 20)
+    with pytest.raises(RuntimeError, match="bad layout"):  # more values than the payload holds
+        m.dequantize_blocks(torch.zeros(32, dtype=torch.uint8), None, torch.zeros(13), 8, 4, 1, 12, 32, False)
+    with pytest.raises(RuntimeError):
+        m.quantize_blocks(x.double(), None, pk, None, 8, 4, 1, 12, 24)

@@ -1,0 +1,322 @@
+// CPU kernels of the blockwise quantization ops (kernels.h): loops over raw pointers, no
+// torch headers.
+//
+// quantize makes one pass over each block (x + e_in is read twice while the block is in
+// cache: once for the absolute maximum, once for the codes and e_out); dequantize makes
+// one pass over its output, summing the pieces block by block. Blocks are split over up
+// to num_threads std::threads (small calls run on the calling thread). On x86-64 CPUs with
+// AVX2 (checked at run time, and switched with dah_cpu_simd) 8 values go at a time. Both
+// bodies do the same float32 operations in the same order as ddp_avg_hooks/_quantize.py:
+// an add, a division, a round half to even, a clamp, a multiply and a subtraction, never
+// fused (no FMA), so the results are bit-identical.
+
+#include "kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DAH_Q_AVX2 1
+#include <immintrin.h>
+#define DAH_AVX2 __attribute__((target("avx2")))
+#endif
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+namespace {
+
+struct Layout {
+  int bits;
+  int64_t block, pieces, piece_elems, piece_bytes, blocks;  // blocks: per piece
+  float qmax, inv_qmax;
+
+  float* scales(uint8_t* packed, int64_t p) const {
+    return reinterpret_cast<float*>(packed + p * piece_bytes);
+  }
+  const float* scales(const uint8_t* packed, int64_t p) const {
+    return reinterpret_cast<const float*>(packed + p * piece_bytes);
+  }
+  int64_t codes_offset(int64_t p) const { return p * piece_bytes + 4 * blocks; }
+};
+
+bool make_layout(int bits, int64_t block, int64_t pieces, int64_t piece_elems,
+                 int64_t piece_bytes, Layout* out) {
+  if ((bits != 8 && bits != 4) || block < 2 || block % 2 || pieces < 1 || piece_elems < 0 ||
+      piece_elems % block)
+    return false;
+  const int64_t blocks = piece_elems / block;
+  const int64_t code_bytes = (piece_elems * bits / 8 + 3) / 4 * 4;
+  if (piece_bytes != 4 * blocks + code_bytes) return false;
+  const int q = bits == 8 ? 127 : 7;
+  // like Tensor.mul(python_float) on float32: the constant 1 / Q is rounded to float
+  *out = Layout{bits, block, pieces, piece_elems, piece_bytes, blocks, static_cast<float>(q),
+                static_cast<float>(1.0 / q)};
+  return true;
+}
+
+// Runs body(lo, hi) over [0, n) blocks, on up to num_threads threads, each with at least
+// kGrain elements' worth of blocks.
+template <class Body>
+void parallel_blocks(int64_t n, int64_t block, int num_threads, const Body& body) {
+  constexpr int64_t kGrain = int64_t{1} << 16;
+  const int64_t min_blocks = std::max<int64_t>(1, kGrain / block);
+  int64_t t = std::min<int64_t>(std::max(num_threads, 1), n / min_blocks);
+  if (t <= 1) {
+    body(int64_t{0}, n);
+    return;
+  }
+  const int64_t per = (n + t - 1) / t;
+  std::vector<std::thread> workers;
+  int64_t lo = per;
+  for (; lo < n; lo += per) {
+    try {
+      workers.emplace_back(body, lo, std::min(n, lo + per));
+    } catch (const std::system_error&) {
+      break;  // cannot start a thread: do the rest here
+    }
+  }
+  body(int64_t{0}, std::min(per, n));
+  if (lo < n) body(lo, n);
+  for (auto& w : workers) w.join();
+}
+
+#ifdef DAH_Q_AVX2
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+bool kAvx2 = kHasAvx2;
+
+// |v| max of 8-value groups of the valid part: returns how many values it covered.
+DAH_AVX2 int64_t absmax_avx2(const float* x, const float* e, int64_t n, float* amax) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(x + j);
+    if (e != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(e + j));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float r = *amax;
+  for (float l : lanes) r = l > r ? l : r;
+  *amax = r;
+  return j;
+}
+
+// Codes (as float, before the narrowing) and e_out of 8 valid values.
+DAH_AVX2 inline __m256 quant8_avx2(const float* x, const float* e, float* e_out, __m256 d,
+                                   __m256 s, __m256 q) {
+  __m256 v = _mm256_loadu_ps(x);
+  if (e != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(e));
+  __m256 c = _mm256_round_ps(_mm256_div_ps(v, d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  c = _mm256_min_ps(_mm256_max_ps(c, _mm256_sub_ps(_mm256_setzero_ps(), q)), q);
+  if (e_out != nullptr) _mm256_storeu_ps(e_out, _mm256_sub_ps(v, _mm256_mul_ps(c, s)));
+  return c;
+}
+
+// 8 int32 in [-128, 127] -> 8 bytes (little-endian in a uint64).
+DAH_AVX2 inline uint64_t narrow8(__m256i q) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packs_epi16(w, w)));
+}
+
+// The full 8-value groups of one block's codes; returns how many values it covered.
+DAH_AVX2 int64_t quant_block_avx2(const Layout& L, const float* x, const float* e, float* e_out,
+                                  int64_t n, float scale, float divisor, uint8_t* codes) {
+  const __m256 d = _mm256_set1_ps(divisor), s = _mm256_set1_ps(scale);
+  const __m256 q = _mm256_set1_ps(L.qmax);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 c = quant8_avx2(x + j, e == nullptr ? nullptr : e + j,
+                                 e_out == nullptr ? nullptr : e_out + j, d, s, q);
+    const __m256i ci = _mm256_cvtps_epi32(c);
+    if (L.bits == 8) {
+      const uint64_t b = narrow8(ci);
+      std::memcpy(codes + j, &b, 8);
+    } else {  // nibbles q + 8, pairs into bytes: byte k = n[2k] | n[2k+1] << 4
+      const uint64_t b = narrow8(_mm256_add_epi32(ci, _mm256_set1_epi32(8)));
+      const uint64_t y = b | (b >> 4);
+      const uint32_t packed = static_cast<uint32_t>((y & 0xFF) | ((y >> 8) & 0xFF00) |
+                                                    ((y >> 16) & 0xFF0000) |
+                                                    ((y >> 24) & 0xFF000000));
+      std::memcpy(codes + j / 2, &packed, 4);
+    }
+  }
+  return j;
+}
+
+// 8 codes of a block from its start + j -> 8 floats q.
+DAH_AVX2 inline __m256 load_codes8(const Layout& L, const uint8_t* codes, int64_t j) {
+  __m256i q;
+  if (L.bits == 8) {
+    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j)));
+  } else {
+    uint32_t w;
+    std::memcpy(&w, codes + j / 2, 4);
+    const uint64_t spread = (w & 0xFFull) | ((w & 0xFF00ull) << 8) | ((w & 0xFF0000ull) << 16) |
+                            ((w & 0xFF000000ull) << 24);  // byte k at byte 2k
+    const uint64_t nib = (spread & 0x000F000F000F000Full) |
+                         (((spread >> 4) & 0x000F000F000F000Full) << 8);
+    q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(nib))),
+                         _mm256_set1_epi32(8));
+  }
+  return _mm256_cvtepi32_ps(q);
+}
+
+DAH_AVX2 int64_t dequant_cat_avx2(const Layout& L, const uint8_t* codes, float scale,
+                                  const float* base, float* out, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 d = _mm256_mul_ps(load_codes8(L, codes, j), s);
+    _mm256_storeu_ps(out + j, base == nullptr ? d : _mm256_sub_ps(_mm256_loadu_ps(base + j), d));
+  }
+  return j;
+}
+
+DAH_AVX2 int64_t dequant_sum_avx2(const Layout& L, const uint8_t* packed, int64_t b, float* out,
+                                  int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t p = 0; p < L.pieces; ++p) {
+      const uint8_t* codes = packed + L.codes_offset(p) + b * L.block * L.bits / 8;
+      const __m256 d = _mm256_mul_ps(load_codes8(L, codes, j), _mm256_set1_ps(L.scales(packed, p)[b]));
+      acc = p == 0 ? d : _mm256_add_ps(acc, d);
+    }
+    _mm256_storeu_ps(out + j, acc);
+  }
+  return j;
+}
+#endif  // DAH_Q_AVX2
+
+inline int code_at(const Layout& L, const uint8_t* codes, int64_t j) {
+  if (L.bits == 8) return static_cast<int8_t>(codes[j]);
+  const uint8_t byte = codes[j / 2];
+  return ((j % 2) ? (byte >> 4) : (byte & 15)) - 8;
+}
+
+// One block: values x[0..valid) (+ e), zeros up to L.block.
+void quant_block(const Layout& L, const float* x, const float* e, float* e_out, int64_t valid,
+                 float* scale_out, uint8_t* codes) {
+  float amax = 0.0f;
+  int64_t j = 0;
+#ifdef DAH_Q_AVX2
+  if (kAvx2) j = absmax_avx2(x, e, valid, &amax);
+#endif
+  for (; j < valid; ++j) {
+    const float v = e == nullptr ? x[j] : x[j] + e[j];
+    const float a = std::fabs(v);
+    amax = a > amax ? a : amax;
+  }
+  const float scale = amax * L.inv_qmax;
+  const float divisor = scale == 0.0f ? 1.0f : scale;
+  std::memcpy(scale_out, &scale, sizeof scale);
+  j = 0;
+#ifdef DAH_Q_AVX2
+  if (kAvx2) j = quant_block_avx2(L, x, e, e_out, valid, scale, divisor, codes);
+#endif
+  for (; j < L.block; ++j) {
+    float c = 0.0f;
+    if (j < valid) {
+      const float v = e == nullptr ? x[j] : x[j] + e[j];
+      c = std::nearbyint(v / divisor);
+      c = std::min(std::max(c, -L.qmax), L.qmax);
+      if (e_out != nullptr) e_out[j] = v - c * scale;
+    }
+    const int q = static_cast<int>(c);
+    if (L.bits == 8) {
+      codes[j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    } else if (j % 2 == 0) {
+      codes[j / 2] = static_cast<uint8_t>(q + 8);
+    } else {
+      codes[j / 2] = static_cast<uint8_t>(codes[j / 2] | ((q + 8) << 4));
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int dah_quantize_simd(int mode) {
+#ifdef DAH_Q_AVX2
+  if (mode >= 0) kAvx2 = kHasAvx2 && mode > 0;
+  return kAvx2 ? 1 : 0;
+#else
+  (void)mode;
+  return 0;
+#endif
+}
+
+int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
+                     int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
+                     float* e_out, int num_threads) {
+  Layout L;
+  if (!make_layout(bits, block, pieces, piece_elems, piece_bytes, &L) || numel < 0 ||
+      numel > pieces * piece_elems)
+    return DAH_EARG;
+  parallel_blocks(pieces * L.blocks, block, num_threads, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const int64_t p = k / L.blocks, b = k % L.blocks;
+      const int64_t g0 = p * piece_elems + b * block;
+      const int64_t valid = std::min(std::max<int64_t>(numel - g0, 0), block);
+      quant_block(L, x + g0, e_in == nullptr ? nullptr : e_in + g0,
+                  e_out == nullptr ? nullptr : e_out + g0, valid, L.scales(packed, p) + b,
+                  packed + L.codes_offset(p) + b * block * bits / 8);
+    }
+  });
+  return DAH_OK;
+}
+
+int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t pieces,
+                       int64_t piece_elems, int64_t piece_bytes, const float* base, float* out,
+                       int64_t numel, int sum_pieces, int num_threads) {
+  Layout L;
+  if (!make_layout(bits, block, pieces, piece_elems, piece_bytes, &L) || numel < 0 ||
+      numel > (sum_pieces ? piece_elems : pieces * piece_elems) || (sum_pieces && base))
+    return DAH_EARG;
+  const int64_t nblocks = (numel + block - 1) / block;
+  parallel_blocks(nblocks, block, num_threads, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const int64_t g0 = k * block, n = std::min(block, numel - g0);
+      float* o = out + g0;
+      int64_t j = 0;
+      if (sum_pieces) {
+#ifdef DAH_Q_AVX2
+        if (kAvx2) j = dequant_sum_avx2(L, packed, k, o, n);
+#endif
+        for (; j < n; ++j) {
+          float acc = 0.0f;
+          for (int64_t p = 0; p < pieces; ++p) {
+            const uint8_t* codes = packed + L.codes_offset(p) + k * block * bits / 8;
+            const float d = static_cast<float>(code_at(L, codes, j)) * L.scales(packed, p)[k];
+            acc = p == 0 ? d : acc + d;
+          }
+          o[j] = acc;
+        }
+      } else {
+        const int64_t p = k / L.blocks, b = k % L.blocks;
+        const uint8_t* codes = packed + L.codes_offset(p) + b * block * bits / 8;
+        const float s = L.scales(packed, p)[b];
+        const float* bs = base == nullptr ? nullptr : base + g0;
+#ifdef DAH_Q_AVX2
+        if (kAvx2) j = dequant_cat_avx2(L, codes, s, bs, o, n);
+#endif
+        for (; j < n; ++j) {
+          const float d = static_cast<float>(code_at(L, codes, j)) * s;
+          o[j] = bs == nullptr ? d : bs[j] - d;
+        }
+      }
+    }
+  });
+  return DAH_OK;
+}
+
+}  // extern "C"
