@@ -17,7 +17,7 @@ PYTEST_FLAGS ?=
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo,integrations]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo,integrations,peers]" "$(TORCH_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -36,7 +36,7 @@ demo: ext
 bench: ext
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_train.py --profiles 100mbit --steps 800 --eval-every 40 \
-	  --variants ddp,none,torch_localsgd,allreduce,allreduce_overlap,fp16_overlap,diloco,diloco_fp16 \
+	  --variants ddp,none,torch_localsgd,accelerate_localsgd,allreduce,allreduce_overlap,fp16_overlap,diloco,diloco_fp16,diloco_streaming,torchft_diloco,torchft_streaming_diloco \
 	  --out benchmarks/results/overlap_diloco \
 	  --title "Overlap (period 8) and DiLoCo (period 32), ~1M-parameter model, 100 Mbit/s, 800-step budget"
 	$(PY) benchmarks/bench_train.py --profiles 100mbit --nproc 4 --period 16 \

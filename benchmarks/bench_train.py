@@ -5,8 +5,11 @@ Python stdlib source) for every variant, under every profile, in this one invoca
 
 - variants: ``none`` (no communication: each rank alone, the physical limit), ``ddp``,
   ``ddp_fp16`` and ``ddp_powersgd`` (PyTorch's gradient comm hooks), ``torch_localsgd``
-  (PyTorch's ``PeriodicModelAverager`` + ``post_localSGD_hook``), and ours with each
-  built-in hook (``allreduce``, ``fp16``, ``bf16``, ``powersgd``); local SGD at ``--period``.
+  (PyTorch's ``PeriodicModelAverager`` + ``post_localSGD_hook``), ``accelerate_localsgd``
+  (Accelerate's ``LocalSGD``), and ours with each built-in hook (``allreduce``, ``fp16``,
+  ``bf16``, ``powersgd``); local SGD at ``--period``. DiLoCo at period 32: ours
+  (``diloco``, ``diloco_fp16``, ``diloco_streaming``) and torchft's (``torchft_diloco``,
+  ``torchft_streaming_diloco``). A peer whose package is not installed is reported as not run.
 - profiles: ``loopback``; ``1gbit`` and ``100mbit`` as two torchrun "nodes" in two network
   namespaces joined by a veth pair shaped with ``tc tbf`` (a fresh pair per run, torn down
   on exit even on failure). Without root or ``ip netns`` it says so and runs loopback only.
@@ -41,12 +44,14 @@ from harness.train import split_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd",
+VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd", "accelerate_localsgd",
             "allreduce", "fp16", "bf16", "powersgd"]
 # overlapped rounds, and DiLoCo at period 32
-OVERLAP_DILOCO_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloco_fp16"]
+OVERLAP_DILOCO_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloco_fp16",
+                           "diloco_streaming", "torchft_diloco", "torchft_streaming_diloco"]
 VARIANTS += OVERLAP_DILOCO_VARIANTS
-DILOCO_VARIANTS = {"diloco", "diloco_fp16"}
+DILOCO_VARIANTS = {"diloco", "diloco_fp16", "diloco_streaming", "torchft_diloco",
+                   "torchft_streaming_diloco"}
 DILOCO_PERIOD = 32
 # hierarchical averaging: two "nodes" (namespaces) of --nproc / 2 ranks; not in the default
 # run (2 ranks: one per node), see --nproc

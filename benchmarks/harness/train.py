@@ -18,6 +18,11 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
 - ``ddp``, ``ddp_fp16``, ``ddp_bf16``, ``ddp_powersgd``: DDP with PyTorch's gradient comm
   hooks (allreduce every step);
 - ``torch_localsgd``: PyTorch's ``post_localSGD_hook`` + ``PeriodicModelAverager``;
+- ``accelerate_localsgd``: Accelerate's ``accelerate.local_sgd.LocalSGD`` (every
+  ``--period`` steps); ``torchft_diloco``, ``torchft_streaming_diloco``: torchft's
+  ``local_sgd.DiLoCo`` under its fault-tolerant ``Manager``, whole model or
+  ``--fragments`` fragments, with the ``diloco`` variant's outer optimizer (see
+  ``peers.py`` next to this file; unavailable without the package);
 - ``allreduce``, ``fp16``, ``bf16``, ``powersgd``: ours,
   ``ddp_avg_hooks.register_averaging_hook`` with that hook plus
   ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``);
@@ -30,7 +35,8 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
   ``fp16_compress_hook``), an outer Nesterov SGD over the averaged change (DiLoCo's
   defaults, ``--outer-lr`` / ``--outer-momentum``; use a longer ``--period``, e.g. 32, and
   a smaller inner ``--lr``: the outer momentum multiplies each round's step by up to
-  ``outer_lr / (1 - momentum)``, 7 with the defaults).
+  ``outer_lr / (1 - momentum)``, 7 with the defaults); ``diloco_streaming``: the
+  ``diloco`` variant with ``fragments=--fragments`` (Streaming DiLoCo).
 
 Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
 step seconds, bytes this rank handed to collectives, seconds waiting on communication,
@@ -242,6 +248,20 @@ class Variant:
     after_step: callable = lambda: False   # returns True when it averaged
     handle: object = None
     node_handle: object = None              # hierarchical: the rounds inside a node
+    take_comm_s: callable = lambda: 0.0     # comm seconds spent outside after_step (torchft)
+
+
+# run by main() at the end, on every rank, also on failure (a peer's manager, lighthouse)
+_CLOSE: list = []
+
+
+def _peers():
+    """``peers.py`` next to this file (torchft and Accelerate), imported on demand."""
+    if __package__:
+        from . import peers
+    else:  # run as a script: this folder is sys.path[0]
+        import peers
+    return peers
 
 
 def _need_dah(attr: str, name: str):
@@ -280,14 +300,18 @@ OURS = {
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
     "diloco": ("outer_optimizer", _outer_state),
     "diloco_fp16": ("outer_optimizer", _outer_state),
+    "diloco_streaming": ("outer_optimizer", _outer_state),
     # exact rounds inside each node every --intra-period steps, across all every --period
     "hierarchical": ("allreduce_hook", lambda dah, args: None),
 }
 # the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
-DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook"}
+DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook",
+                "diloco_streaming": "allreduce_hook"}
 TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
                     "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
-VARIANTS = ["none", *TORCH_GRAD_HOOKS, "torch_localsgd", *OURS]
+# other libraries' local SGD (harness/peers.py): optional, unavailable without the package
+PEERS = ["accelerate_localsgd", "torchft_diloco", "torchft_streaming_diloco"]
+VARIANTS = ["none", *TORCH_GRAD_HOOKS, "torch_localsgd", *PEERS, *OURS]
 
 
 def check_available(name: str) -> None:
@@ -296,6 +320,10 @@ def check_available(name: str) -> None:
         raise HookUnavailable(f"--hook {name}: unknown; choose one of {', '.join(VARIANTS)}")
     if name in OURS:
         _need_dah(OURS[name][0], name)
+    if name in PEERS:
+        why = _peers().missing(name)
+        if why:
+            raise HookUnavailable(f"--hook {name}: {why}")
 
 
 def split_available(names: str) -> tuple[list[str], list[str]]:
@@ -340,7 +368,18 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
 
     if name == "none":
         return Variant(name, model, model)
+    if name.startswith("torchft_"):  # one replica group per rank: no DDP inside it
+        def count(n: int) -> None:
+            meter.bytes += n
+        peer = _peers().TorchftDiLoCo(model, opt, args, count_bytes=count,
+                                      fragments=args.fragments if "streaming" in name else 1)
+        _CLOSE.append(peer.close)
+        return Variant(name, model, model, peer.after_step, take_comm_s=peer.take_comm_s)
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+    if name == "accelerate_localsgd":
+        peer = _peers().AccelerateLocalSGD(ddp, args)
+        _CLOSE.append(peer.close)
+        return Variant(name, ddp, model, peer.after_step)
     if name in TORCH_GRAD_HOOKS:
         if name == "ddp_powersgd":
             state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
@@ -384,7 +423,9 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
-                                         overlap=name.endswith("_overlap"))
+                                         overlap=name.endswith("_overlap"),
+                                         **({"fragments": args.fragments}
+                                            if name == "diloco_streaming" else {}))
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
     if node_handle is None:
         return Variant(name, ddp, model, handle.step, handle)
@@ -415,6 +456,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer SGD learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
+    p.add_argument("--fragments", type=int, default=4,
+                   help="diloco_streaming, torchft_streaming_diloco: fragments taking turns "
+                        "(each averaged once per --period)")
     p.add_argument("--intra-period", type=int, default=2,
                    help="hierarchical: steps between the exact rounds inside each node")
     p.add_argument("--ranks-per-node", type=int, default=None,
@@ -511,6 +555,11 @@ def main(argv=None) -> dict | None:
         return result
     finally:
         meter.uninstall()
+        while _CLOSE:  # a peer's manager and lighthouse
+            try:
+                _CLOSE.pop()()
+            except Exception as exc:  # keep closing the rest, and the process group
+                print(f"warning: closing {args.hook}: {type(exc).__name__}: {exc}", file=sys.stderr)
         # free DDP and the handle (reference cycles) while the interpreter is whole: gloo
         # work objects left to interpreter finalization can abort the process at exit
         gc.collect()
@@ -595,7 +644,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         train_s += dt
         total_bytes += nbytes
         rec = dict(step=i, loss=round(loss.item(), 5), step_s=round(dt, 6), bytes=nbytes,
-                   comm_s=round(grad_wait + avg_s, 6), averaged=averaged)
+                   comm_s=round(grad_wait + avg_s + variant.take_comm_s(), 6), averaged=averaged)
         steps.append(rec)
         if bar is not None:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", step_ms=f"{dt * 1e3:.0f}",
