@@ -51,7 +51,11 @@ exact trajectory ``anchor_0 - sum over rounds of mean(delta)`` plus ``sum_r e_r`
 any round count the error stays within one round's bound above; only the float32
 roundings of the last item add up (the parameters' own precision).
 
-Where the residual ``e_r`` lives (float32; float64 for float64 buckets):
+Memory per bucket, beside the anchor: the residual (``numel`` float32 values; float64
+for float64 buckets) and two payload buffers (send, receive; the send buffer is reused as
+the all-gather's output; the summed piece lives in the delta's buffer).
+
+Where the residual ``e_r`` lives:
 
 * ``state`` is a :class:`QuantizedDeltaState`: in the state, keyed by ``bucket.index()``,
   saved by ``state_dict()`` (so ``handle.state_dict()`` checkpoints it);
@@ -106,23 +110,22 @@ def _load_residual(mine: torch.Tensor, saved: torch.Tensor) -> None:
 class _Scratch:
     """A bucket's payload buffers for one layout: reused from round to round."""
 
-    __slots__ = ("layout", "send", "recv", "piece")
+    __slots__ = ("layout", "send", "recv")
 
-    def __init__(self, layout: QuantLayout, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, layout: QuantLayout, device: torch.device) -> None:
         self.layout = layout
         # send doubles as the all-gather's output once the all-to-all has read it
         self.send = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
         self.recv = torch.zeros_like(self.send)
-        self.piece = torch.empty(layout.piece_elems, dtype=dtype, device=device)
 
     def _memory_tensors(self):
-        yield from (("scratch", t) for t in (self.send, self.recv, self.piece))
+        yield from (("scratch", t) for t in (self.send, self.recv))
 
 
 def _scratch(table, bucket: ParamBucket, layout: QuantLayout) -> _Scratch:
     s = table.get(bucket)
     if s is None or s.layout != layout:
-        s = table[bucket] = _Scratch(layout, _compute_dtype(bucket), bucket.device)
+        s = table[bucket] = _Scratch(layout, bucket.device)
     return s
 
 
@@ -263,15 +266,17 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     bucket.record_sent(*layout.payload(bufs.send, numel))
     dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True).wait()
 
-    # this rank's piece: sum every rank's version, requantize it into the all-gather input
+    # this rank's piece: sum every rank's version, requantize it into the all-gather input.
+    # Only its values inside the bucket (past its end all codes are 0), in the delta's
+    # buffer, which has been read by now.
     size, start = layout.piece_bytes, rank * layout.piece_elems
-    total = ops.dequantize_blocks(bufs.recv, layout, bufs.piece, sum_pieces=True)
+    valid = min(max(numel - start, 0), layout.piece_elems)
+    total = ops.dequantize_blocks(bufs.recv, layout, delta[:valid], sum_pieces=True)
     mine = bufs.send[rank * size : (rank + 1) * size]
     ops.quantize_blocks(total, mine, layout.one_piece(),
                         residual_out=total if residual is not None else None)
-    if residual is not None and start < numel:  # total now holds T - R: the requantization's loss
-        end = min(start + layout.piece_elems, numel)
-        residual[start:end].add_(total[: end - start])
+    if residual is not None:  # total now holds T - R: the requantization's loss
+        residual[start : start + valid].add_(total)
     fut = _all_gather(bufs.send, mine, group).get_future()
 
     def _decompress(_fut: torch.futures.Future) -> torch.Tensor:
