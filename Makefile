@@ -42,6 +42,10 @@ bench: ext
 	$(PY) benchmarks/bench_train.py --profiles 100mbit --nproc 4 --period 16 \
 	  --variants ddp,none,allreduce,hierarchical --out benchmarks/results/hierarchy \
 	  --title "Hierarchical averaging, 2 nodes x 2 ranks, 100 Mbit/s between the nodes"
+	$(PY) benchmarks/bench_train.py --profiles loopback+jitter,loopback+slow-rank,100mbit+jitter,100mbit+slow-rank \
+	  --variants ddp,none,allreduce,fp16,allreduce_timed,fp16_timed,allreduce_timed_equal \
+	  --out benchmarks/results/uneven \
+	  --title "Uneven workers (jitter, one rank 1.5x slower), step-based period 8 vs time-based rounds"
 	$(PY) benchmarks/bench_overlap_staleness.py
 
 bench-sweep: ext

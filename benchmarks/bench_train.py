@@ -25,10 +25,21 @@ section "End-to-end training" of ``benchmarks/RESULTS.md``.
 
     python benchmarks/bench_train.py                      # the full run (tens of minutes)
     python benchmarks/bench_train.py --quick              # a smoke test of the pipeline
+
+Uneven workers (``harness/uneven.py``): a profile ``<network>+jitter`` or
+``<network>+slow-rank`` (or ``--uneven jitter,slow-rank``: every ``--profiles`` entry
+with each mode) runs the same variants with a per-step random slowdown (a sleep) or one
+rank held at 1/1.5 of a CPU by a cgroup CPU quota; its table adds each rank's steps,
+mean step and compute time and each rank's idle share. The time-based variants
+(``allreduce_timed``, ``fp16_timed``, ``allreduce_timed_equal``: ``schedules.EverySeconds``,
+``harness/timed_loop.py``) round every ``--round-seconds`` (default: the seconds per round
+of ``allreduce`` at ``--period`` in the same profile), for as many rounds as ``--period``
+makes in the step budget.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -39,7 +50,7 @@ import time
 
 import torch
 
-from harness import launch, netns, report
+from harness import launch, netns, report, uneven
 from harness.train import split_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,6 +68,8 @@ DILOCO_PERIOD = 32
 # run (2 ranks: one per node), see --nproc
 HIERARCHICAL = "hierarchical"
 BUDGET_1X = {"none", "ddp"}
+# rounds every --round-seconds (not in the default run; see --uneven)
+TIMED_VARIANTS = ["allreduce_timed", "fp16_timed", "allreduce_timed_equal"]
 
 
 def _columnar(run: dict) -> dict:
@@ -73,6 +86,12 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default="bench")
     p.add_argument("--steps", type=int, default=200, help="DDP's step budget (others: 2x)")
     p.add_argument("--period", type=int, default=8)
+    p.add_argument("--uneven", default="",
+                   help="uneven workers: also run every profile as <profile>+<mode>, for each "
+                        f"mode of {','.join(uneven.MODES)} (or name them in --profiles)")
+    p.add_argument("--round-seconds", type=float, default=None,
+                   help="*_timed variants: seconds between rounds (default: allreduce's "
+                        "seconds per round in the same profile, else 8 x DDP's mean step)")
     p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks in all; shaped profiles put half on each of the two nodes")
@@ -103,7 +122,7 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, "train_summary.json")) as f:
             old = json.load(f)
         a.title = p.parse_args(shlex.split(old["command"])[2:]).title  # the run's own title
-        all_runs, network_of = _load_runs(a.out, a.profiles.split(","))
+        all_runs, network_of = _load_runs(a.out, _profile_names(a))
         a.steps = next(iter(all_runs.values()))["ddp"]["config"]["steps"]
         a.elapsed_s = old["elapsed_s"]  # the training run's, not the replot's
         a.loadavg_end = old["loadavg_end"]
@@ -115,8 +134,12 @@ def main(argv=None) -> int:
     notes = [f"variant {u} (not run)" for u in unavailable]
     ok, why = netns.netns_available()
     profiles = []
-    for name in a.profiles.split(","):
-        prof = netns.PROFILES[name]
+    mode_of = {}
+    for name in _profile_names(a):
+        base, mode_of[name] = uneven.split_profile(name)
+        prof = netns.PROFILES[base]
+        if mode_of[name]:
+            prof = netns.Profile(name, rate_mbit=prof.rate_mbit, delay_ms=prof.delay_ms)
         if prof.shaped and not ok:
             notes.append(f"profile {name} not run: {why}; loopback only")
             continue
@@ -146,15 +169,22 @@ def main(argv=None) -> int:
             if v not in BUDGET_1X and "ddp" in runs:  # up to 2x budget: stop once past DDP's loss
                 args += ["--stop-at-loss", str(runs["ddp"]["evals"][-1]["val_loss"]),
                          "--min-steps", str(a.steps)]
+            if v in TIMED_VARIANTS:
+                args += _timed_args(a, runs)
             outdir = os.path.join(a.runs_dir, prof.name, v)
             t0 = time.time()
+            quota = uneven.CpuQuota() if uneven.has(mode_of.get(prof.name), "slow-rank") else None
             try:
-                if prof.shaped:
-                    with netns.NetnsPair(prof) as pair:
-                        run = launch.run_training(args, outdir, pair=pair, nproc=a.nproc,
-                                                  timeout_s=a.timeout)
-                else:
-                    run = launch.run_training(args, outdir, nproc=a.nproc, timeout_s=a.timeout)
+                with quota or contextlib.nullcontext():
+                    args += uneven.train_args(mode_of.get(prof.name), quota)
+                    if prof.shaped:
+                        with netns.NetnsPair(prof) as pair:
+                            run = launch.run_training(args, outdir, pair=pair, nproc=a.nproc,
+                                                      timeout_s=a.timeout)
+                    else:
+                        run = launch.run_training(args, outdir, nproc=a.nproc, timeout_s=a.timeout)
+                if mode_of.get(prof.name):
+                    _note_uneven(notes, prof.name, v, run, quota)
             except launch.LaunchError as exc:  # report it, keep the other variants
                 notes.append(f"{prof.name} / {v} FAILED: {str(exc).splitlines()[0]}")
                 print(notes[-1], file=sys.stderr, flush=True)
@@ -172,6 +202,44 @@ def main(argv=None) -> int:
 
     _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv)
     return 0
+
+
+def _profile_names(a) -> list[str]:
+    """``--profiles``, plus ``<profile>+<mode>`` for each ``--uneven`` mode."""
+    names = a.profiles.split(",")
+    if a.uneven:
+        names += [f"{n}+{m}" for n in names if "+" not in n for m in a.uneven.split(",")]
+    return names
+
+
+def _timed_args(a, runs: dict) -> list[str]:
+    """A time-based variant's flags: round seconds, and the rounds of the step budget."""
+    sec = a.round_seconds
+    ref = runs["allreduce"]["summary"] if "allreduce" in runs else {}
+    if sec is None and (ref.get("handle_stats") or {}).get("rounds"):
+        sec = ref["train_s"] / ref["handle_stats"]["rounds"]
+    if sec is None and "ddp" in runs:
+        sec = a.period * runs["ddp"]["summary"]["mean_step_s"]
+    rounds = max(1, 2 * a.steps // a.period)
+    out = ["--round-seconds", f"{sec or 1.0:.4f}", "--rounds", str(rounds),
+           "--min-rounds", str(max(1, a.steps // a.period)),
+           "--eval-every-rounds", str(max(1, round(a.eval_every / a.period)))]
+    return out
+
+
+def _note_uneven(notes: list, prof: str, v: str, run: dict, quota) -> None:
+    """Say how the workers were made uneven (once per profile), and each rank's steps."""
+    un = run["summary"].get("uneven") or {}
+    n0 = len(notes)
+    if un.get("jitter_sigma") and not any(n.startswith(f"{prof}: jitter") for n in notes):
+        notes.append(f"{prof}: jitter = a sleep after each step's compute, stretching it to "
+                     f"compute x max(1, exp({un['jitter_sigma']} z)), z ~ N(0,1) per rank and step")
+    if quota is not None:
+        where = quota.describe()
+        notes.append(f"{prof} / {v}: slow rank {uneven.SLOW_RANK} at 1/{uneven.SLOW_FACTOR} "
+                     f"speed by {where}; steps per rank {run['summary'].get('per_rank_steps')}")
+    for n in notes[n0:]:
+        print(n, file=sys.stderr, flush=True)
 
 
 def _load_runs(out: str, profiles: list[str]) -> tuple[dict, dict]:
@@ -224,6 +292,12 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
            "first validation at or below the target. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():
         md += [f"#### {prof}: {network_of[prof]}", "", report.markdown_table(rows, report.BENCH_COLUMNS), ""]
+        if "+" in prof:  # uneven workers: per-rank steps, compute and idle time
+            md += ["Uneven workers: compute = step time minus time waiting on communication "
+                   "(gradient-sync waits, averaging rounds); overhead = (mean step - mean "
+                   "compute) / mean compute; idle share = each rank's waiting time over its "
+                   "training time (rank 0 / rank 1 ...).", "",
+                   report.markdown_table(uneven.rows(all_runs[prof]), uneven.COLUMNS), ""]
         md += _targets(rows, prof)
     with open(os.path.join(a.out, "train_section.md"), "w") as f:
         f.write("\n".join(md))

@@ -264,6 +264,13 @@ def _peers():
     return peers
 
 
+def _sibling(name: str):
+    """A module next to this file (``uneven``, ``timed_loop``), imported on demand."""
+    import importlib
+    return importlib.import_module(f".{name}", __package__) if __package__ else \
+        importlib.import_module(name)
+
+
 def _need_dah(attr: str, name: str):
     try:
         import ddp_avg_hooks as dah
@@ -303,7 +310,13 @@ OURS = {
     "diloco_streaming": ("outer_optimizer", _outer_state),
     # exact rounds inside each node every --intra-period steps, across all every --period
     "hierarchical": ("allreduce_hook", lambda dah, args: None),
+    # rounds every --round-seconds on each rank's clock (schedules.EverySeconds), in the
+    # loop of timed_loop.py: ranks take different step counts
+    "allreduce_timed": ("allreduce_hook", lambda dah, args: None),
+    "fp16_timed": ("fp16_compress_hook", lambda dah, args: None),
+    "allreduce_timed_equal": ("allreduce_hook", lambda dah, args: None),
 }
+TIMED = {"allreduce_timed", "fp16_timed", "allreduce_timed_equal"}
 # the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
 DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook",
                 "diloco_streaming": "allreduce_hook"}
@@ -420,7 +433,8 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
                                                   period=args.intra_period,
                                                   warmup_steps=args.warmup,
                                                   bucket_cap_mb=args.bucket_cap_mb)
-    handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=args.period,
+    period = _sibling("timed_loop").schedule(dah, name, args) if name in TIMED else args.period
+    handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
                                          overlap=name.endswith("_overlap"),
@@ -483,6 +497,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our hooks: a round's result arrives this many seconds late (a slow "
                         "link emulated on loopback, for overlap's staleness)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    _sibling("uneven").add_args(p)
+    _sibling("timed_loop").add_args(p)
     args = p.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
@@ -614,6 +630,14 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
                           val_loss=round(consensus_eval(val_data, args, raw_all_reduce), 5)))
         eval_s += time.perf_counter() - te
 
+    slow = _sibling("uneven").Slowdown(args, rank)  # --jitter-sigma, --slow-rank
+    slow.ready()
+    if args.hook in TIMED:
+        return _sibling("timed_loop").run(args, rank, world, meter, dict(
+            variant=variant, opt=opt, sched=sched, train_data=train_data, val_data=val_data,
+            gen=gen, consensus_eval=consensus_eval, raw_all_reduce=raw_all_reduce, slow=slow,
+            get_batch=get_batch, read_wire=_read_wire, wire_if=wire_if, n_params=n_params,
+            ops_backend=ops_backend))
     dist.barrier()
     wire0 = _read_wire(wire_if)
     for i in range(args.steps):
@@ -626,6 +650,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         grad_wait = meter.take_grad_wait()
         opt.step()
         sched.step()
+        slow.after_compute(time.perf_counter() - t0 - grad_wait)  # uneven workers: a sleep
         ta = time.perf_counter()
         averaged = bool(variant.after_step())
         avg_s = time.perf_counter() - ta if averaged else 0.0
@@ -678,7 +703,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         stats["node"] = dict(rounds=n.rounds, bytes_sent=n.bytes_sent, seconds=round(n.seconds, 4))
     meter.uninstall()
     # every rank's view of time and bytes, for the record
-    mine = torch.tensor([train_s, float(total_bytes)], dtype=torch.float64)
+    mine = torch.tensor([train_s, float(total_bytes), sum(r["comm_s"] for r in steps),
+                         float(len(steps)), slow.sleep_s], dtype=torch.float64)
     all_ranks = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(all_ranks, mine)
     if rank != 0:
@@ -697,6 +723,10 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         wire_bytes_per_step=None if wire0 is None or wire1 is None else (wire1 - wire0) / len(steps),
         per_rank_train_s=[float(t[0]) for t in all_ranks],
         per_rank_bytes=[int(t[1]) for t in all_ranks],
+        per_rank_comm_s=[float(t[2]) for t in all_ranks],
+        per_rank_steps=[int(t[3]) for t in all_ranks],
+        per_rank_sleep_s=[float(t[4]) for t in all_ranks],
+        uneven=slow.describe(),
         handle_stats=stats,
         stopped_by=stopped_by,
         eval_s=eval_s,
