@@ -305,6 +305,14 @@ OURS = {
     # rounds overlapped with training, and a DiLoCo-style outer optimizer
     "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
+    # blockwise 8- and 4-bit deltas with error feedback
+    "int8": ("int8_compress_hook", lambda dah, args: None),
+    "int4": ("int4_compress_hook", lambda dah, args: None),
+    # --fragments fragments taking turns, overlapped with training (Streaming DiLoCo's
+    # schedule without the outer optimizer)
+    "fp16_streaming": ("fp16_compress_hook", lambda dah, args: None),
+    "int8_streaming": ("int8_compress_hook", lambda dah, args: None),
+    "int4_streaming": ("int4_compress_hook", lambda dah, args: None),
     "diloco": ("outer_optimizer", _outer_state),
     "diloco_fp16": ("outer_optimizer", _outer_state),
     "diloco_streaming": ("outer_optimizer", _outer_state),
@@ -437,9 +445,13 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
-                                         overlap=name.endswith("_overlap"),
+                                         overlap=name.endswith(("_overlap", "_streaming"))
+                                         and name != "diloco_streaming",
+                                         **({"mixing": args.mixing}
+                                            if name.endswith(("_overlap", "_streaming"))
+                                            and args.mixing is not None else {}),
                                          **({"fragments": args.fragments}
-                                            if name == "diloco_streaming" else {}))
+                                            if name.endswith("_streaming") else {}))
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
     if node_handle is None:
         return Variant(name, ddp, model, handle.step, handle)
@@ -493,6 +505,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--val-frac", type=float, default=0.05)
     p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
+    p.add_argument("--mixing", type=float, default=None,
+                   help="*_overlap: apply a late round as mixing * params + (1 - mixing) * averaged")
     p.add_argument("--round-delay", type=float, default=0.0,
                    help="our hooks: a round's result arrives this many seconds late (a slow "
                         "link emulated on loopback, for overlap's staleness)")
