@@ -284,9 +284,9 @@ def _need_dah(attr: str, name: str):
     return dah, fn
 
 
-def _powersgd_state(dah, args):
+def _powersgd_state(dah, args, rank=None):
     cls = dah.hooks.PowerSGDState
-    want = dict(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+    want = dict(process_group=None, matrix_approximation_rank=rank or args.powersgd_rank,
                 min_compression_rate=2.0, seed=args.seed)
     params = inspect.signature(cls).parameters
     return cls(**{k: v for k, v in want.items() if k in params})
@@ -302,6 +302,8 @@ OURS = {
     "fp16": ("fp16_compress_hook", lambda dah, args: None),
     "bf16": ("bf16_compress_hook", lambda dah, args: None),
     "powersgd": ("powersgd_hook", _powersgd_state),
+    # rank 32: keeps ~98% of an 8-step AdamW delta's energy (study_powersgd.py) vs ~86% at 4
+    "powersgd_r32": ("powersgd_hook", lambda dah, args: _powersgd_state(dah, args, rank=32)),
     # rounds overlapped with training, and a DiLoCo-style outer optimizer
     "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
     "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
