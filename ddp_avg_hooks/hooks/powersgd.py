@@ -63,7 +63,12 @@ class PowerSGDState:
     Args:
         process_group: group to average over; ``None`` means the default group.
         matrix_approximation_rank: rank ``r`` of the approximation (capped at
-            ``min(n, m)`` per matrix). Higher: more accurate and more bytes.
+            ``min(n, m)`` per matrix). Higher: more accurate and more bytes. A delta
+            of several steps is much less low-rank than one gradient, above all with
+            adaptive optimizers (AdamW's updates are close to full rank): ranks that
+            suit gradients (1-4) leave most of the delta to error feedback and the
+            replicas drift; start from 16-32 (``benchmarks/study_powersgd.py`` measures
+            what each rank keeps of your model's deltas).
         start_powersgd_round: averaging rounds before this one are exact (an allreduce
             of the delta); compression starts here. Unlike DDP's PowerSGD, 0 is fine:
             our buckets are never rebuilt.
