@@ -9,7 +9,9 @@ WHEELS ?= /opt/wheels
 PIP_FLAGS ?= $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 # Where the JIT-built extension is cached; `make ext` fills it, tests reuse it.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
-TEST_WORKERS ?= 2
+# one more worker than cores: many multi-process tests spend their time waiting (restarts,
+# process-group timeouts, sleeping ranks), not computing
+TEST_WORKERS ?= 3
 PYTEST_FLAGS ?=
 
 .PHONY: install ext test demo bench bench-sweep clean
