@@ -9,9 +9,7 @@ WHEELS ?= /opt/wheels
 PIP_FLAGS ?= $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 # Where the JIT-built extension is cached; `make ext` fills it, tests reuse it.
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
-# one more worker than cores: many multi-process tests spend their time waiting (restarts,
-# process-group timeouts, sleeping ranks), not computing
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 PYTEST_FLAGS ?=
 
 .PHONY: install ext test demo bench bench-sweep clean
