@@ -5,7 +5,9 @@ read the resident set size (RSS), register, run two rounds (each after an optimi
 step), read RSS again and ``handle.memory_bytes()``. "extra" is the growth over the
 model's own size (parameters only; the optimizer's state is excluded by measuring the
 baseline after its first step). PyTorch's ``PeriodicModelAverager`` is measured the same
-way, RSS only (it keeps nothing between rounds; its rounds allocate flat copies).
+way, RSS only (it keeps nothing between rounds; its rounds allocate flat copies), and
+``none`` (the same steps, no averaging at all) is the control: its RSS growth is what
+the training steps alone leave in the allocator.
 
     python benchmarks/bench_memory.py [--mb 80] [--out benchmarks/results/memory.json]
 
@@ -20,8 +22,8 @@ import os
 import subprocess
 import sys
 
-VARIANTS = ["allreduce", "fp16", "fp16_no_ef", "bf16", "powersgd", "diloco", "overlap",
-            "torch_periodic"]
+VARIANTS = ["none", "allreduce", "zero_copy", "fp16", "fp16_f32_residual", "fp16_no_ef", "bf16",
+            "powersgd", "diloco", "overlap", "torch_periodic"]
 
 
 def _rss() -> int:
@@ -60,10 +62,12 @@ def _one(variant: str, mb: float) -> dict:
     if variant == "torch_periodic":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         averager = PeriodicModelAverager(period=1, warmup_steps=0)
-    else:
+    elif variant != "none":
         hook, state, options = {
             "allreduce": (h.allreduce_hook, None, {}),
             "fp16": (h.fp16_compress_hook, None, {}),
+            "zero_copy": (h.allreduce_hook, None, {"zero_copy": True}),
+            "fp16_f32_residual": (h.fp16_compress_hook, h.HalfDeltaState(residual_dtype=None), {}),
             "fp16_no_ef": (h.fp16_compress_hook, h.HalfDeltaState(error_feedback=False), {}),
             "bf16": (h.bf16_compress_hook, None, {}),
             "powersgd": (h.powersgd_hook, h.PowerSGDState(matrix_approximation_rank=4), {}),
@@ -75,7 +79,7 @@ def _one(variant: str, mb: float) -> dict:
         step()
         if handle is not None:
             handle.average()
-        else:
+        elif averager is not None:
             averager.average_parameters(model.parameters())
     gc.collect()
     out = {"variant": variant, "model_mb": model_bytes / 2**20, "rss_extra": (_rss() - base) / model_bytes}

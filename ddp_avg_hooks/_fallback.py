@@ -1,10 +1,11 @@
 """Bucket copy operations in plain PyTorch: the reference loop and a ``torch._foreach_*`` tier.
 
-``flatten``, ``unflatten_``, ``delta`` and ``apply_`` are the readable per-tensor
-reference; ``foreach_flatten`` ... ``foreach_apply_`` compute the same thing with
+``flatten``, ``unflatten_``, ``delta``, ``apply_``, ``feedback_cast`` and
+``apply_delta_`` are the readable per-tensor reference; ``foreach_flatten`` ...
+``foreach_apply_delta_`` compute the same thing with
 ``torch._foreach_*`` ops, through a small reused scratch buffer instead of temporaries.
-Both have a twin in the C++ extension (``csrc/``); all three give the same results
-bit for bit, following these rules:
+The first four also have a twin in the C++ extension (``csrc/``); all give the same
+results bit for bit, following these rules:
 
 * A flat buffer holds the parameters back to back, each in its *logical* (row-major)
   order, whatever its memory format: ``flat[off:off + p.numel()].view(p.shape)``.
@@ -107,6 +108,31 @@ def apply_(
             a.copy_(p)
 
 
+@torch.no_grad()
+def feedback_cast(anchor: torch.Tensor, params: Sequence[torch.Tensor], residual: torch.Tensor,
+                  out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Error-feedback rounding of the scaled change: with ``x = (anchor - flatten(params))
+    * scale + residual``, ``out <- x`` rounded to ``out.dtype`` and ``residual <- x - out``
+    rounded to ``residual.dtype`` (what the rounding lost); returns ``out``."""
+    for a, p, r, o in zip(_views(anchor, params), params, _views(residual, params),
+                          _views(out, params)):
+        ct = _compute_dtype(a.dtype, p.dtype, r.dtype, o.dtype)
+        x = (a.to(ct) - p.to(ct)) * scale + r.to(ct)
+        o.copy_(x)
+        r.copy_(x - o.to(ct))
+    return out
+
+
+@torch.no_grad()
+def apply_delta_(anchor: torch.Tensor, change: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """``params <- anchor - change`` in place (rounded to each parameter's dtype), then
+    ``anchor <- params``: a round whose result is the averaged change."""
+    for a, c, p in zip(_views(anchor, params), _views(change, params), params):
+        ct = _compute_dtype(a.dtype, c.dtype, p.dtype)
+        p.copy_(a.to(ct) - c.to(ct))
+        a.copy_(p)
+
+
 # ---------------------------------------------------------------- foreach tier
 
 
@@ -141,14 +167,14 @@ _CPU_CHUNK = 1 << 20
 _local = threading.local()
 
 
-def _scratch(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _scratch(n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
     if device.type != "cpu":  # the caching allocator makes this cheap, and stream-safe
         return torch.empty(n, dtype=dtype, device=device)
     bufs = _local.__dict__.setdefault("bufs", {})  # one per thread: ops may run concurrently
-    buf = bufs.get(dtype)
+    buf = bufs.get((dtype, slot))
     if buf is None or buf.numel() < n:
-        buf = bufs[dtype] = torch.empty(n, dtype=dtype)
-    return buf
+        buf = bufs[(dtype, slot)] = torch.empty(n, dtype=dtype)
+    return buf[:n]
 
 
 def _batches(limit: int, *lists: list[torch.Tensor]):
@@ -230,3 +256,54 @@ def foreach_apply_(
         torch._foreach_copy_(ps, fv)
         if av:
             torch._foreach_copy_(av[0], ps)
+
+
+def _chunk_limit(tensors: list[torch.Tensor]) -> int:
+    return _CPU_CHUNK if tensors[0].device.type == "cpu" else _CPU_CHUNK * 16
+
+
+@torch.no_grad()
+def foreach_feedback_cast(anchor: torch.Tensor, params: Sequence[torch.Tensor],
+                          residual: torch.Tensor, out: torch.Tensor,
+                          scale: float = 1.0) -> torch.Tensor:
+    """:func:`feedback_cast` with ``torch._foreach_*`` ops, in bounded chunks (no
+    temporary the size of the bucket)."""
+    for dt, (ps, av, rv, ov) in _groups(params, anchor, residual, out).items():
+        ct = _compute_dtype(anchor.dtype, dt, residual.dtype, out.dtype)
+        for (p, a, r, o), n in _batches(_chunk_limit(ps), ps, av, rv, ov):
+            dev = p[0].device
+            x = _views(_scratch(n, ct, dev), p)
+            torch._foreach_copy_(x, a)
+            torch._foreach_sub_(x, p)
+            if scale != 1.0:
+                torch._foreach_mul_(x, scale)
+            wide = _views(_scratch(n, ct, dev, slot=1), p)
+            torch._foreach_copy_(wide, r)  # exact widening: same-dtype ops from here on
+            torch._foreach_add_(x, wide)
+            torch._foreach_copy_(o, x)  # the rounding to the output dtype
+            torch._foreach_copy_(wide, o)
+            torch._foreach_sub_(x, wide)
+            torch._foreach_copy_(r, x)
+    return out
+
+
+@torch.no_grad()
+def foreach_apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
+                         params: Sequence[torch.Tensor]) -> None:
+    """:func:`apply_delta_` with ``torch._foreach_*`` ops, in bounded chunks.
+
+    The new values are computed into the anchor (it has the parameters' dtype, so they
+    are exactly what the parameters receive), then copied into the parameters: a
+    parameter is never written through a reshaped copy.
+    """
+    for dt, (ps, av, cv) in _groups(params, anchor, change).items():
+        ct = _compute_dtype(anchor.dtype, change.dtype, dt)
+        for (a, c), n in _batches(_chunk_limit(ps), av, cv):
+            dev = a[0].device
+            x = _views(_scratch(n, ct, dev), a)
+            widened = _views(_scratch(n, ct, dev, slot=1), a)
+            torch._foreach_copy_(x, a)
+            torch._foreach_copy_(widened, c)  # same-dtype sub: the fast path on CPU
+            torch._foreach_sub_(x, widened)
+            torch._foreach_copy_(a, x)
+        torch._foreach_copy_(ps, av)

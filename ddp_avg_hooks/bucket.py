@@ -29,9 +29,11 @@ class ParamBucket:
 
     Public surface: the ``GradBucket`` shape (:meth:`index`, :meth:`buffer`,
     :meth:`parameters`, :meth:`is_last`, :meth:`set_buffer`) plus :meth:`numel`,
-    :meth:`anchor`, :meth:`delta`, :meth:`workspace`, :meth:`memory`,
-    :meth:`record_sent` and the ``device`` / ``dtype`` attributes. Methods starting with
-    ``_`` belong to the round engine.
+    :meth:`anchor`, :meth:`delta`, :meth:`workspace`, :meth:`mark_result_as_delta`,
+    :meth:`memory`, :meth:`record_sent` and the ``device`` / ``dtype`` attributes.
+    Methods starting with ``_`` belong to the round engine. The flat buffer is allocated
+    on first use, so a hook that never calls :meth:`buffer` or :meth:`workspace` (one
+    that returns the averaged change, say) costs no memory for it.
 
     Example:
         >>> import torch
@@ -70,17 +72,27 @@ class ParamBucket:
         self._is_last = is_last
         self.device, self.dtype = first.device, first.dtype
         self._numel = sum(p.numel() for p in self._params)
-        self._buffer = torch.empty(self._numel, dtype=self.dtype, device=self.device)
+        self._flat: torch.Tensor | None = None  # the buffer, allocated on first use
         self._loaded = False  # whether _buffer holds this round's values
         self._delta_scale = 1.0  # this rank's weight in the round (see _start_round)
+        self._result_is_delta = False  # see mark_result_as_delta
         self._anchor: torch.Tensor | None = None
         if keep_anchor:
-            self._anchor = torch.empty_like(self._buffer)
+            self._anchor = self._empty()
             self._reset_anchor()
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self._memory: dict[str, torch.Tensor] = {}
         self._launch: torch.Tensor | None = None  # parameters when an overlapped round began
         self._bytes_sent = 0
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(self._numel, dtype=self.dtype, device=self.device)
+
+    @property
+    def _buffer(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = self._empty()
+        return self._flat
 
     # --- the GradBucket-shaped interface -------------------------------------------
     def index(self) -> int:
@@ -157,7 +169,8 @@ class ParamBucket:
 
     @torch.no_grad()
     def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
         """``(anchor() - parameters) * scale`` cast to ``dtype``, in one fused pass.
 
         Reads the live parameters (not :meth:`buffer`). The result lives in ``out`` if
@@ -165,6 +178,11 @@ class ParamBucket:
         is done with the delta before it writes its result there), else in a persistent
         scratch buffer of this bucket, overwritten by the next ``delta`` call with the
         same dtype: clone it to keep it across rounds.
+
+        ``residual`` (``numel()`` elements, any float dtype) makes it error feedback:
+        the result is ``delta * scale + residual`` rounded to ``dtype``, and
+        ``residual`` becomes what that rounding lost (``ops.feedback_cast``), in chunks,
+        with no bucket-size temporary.
         """
         if out is None:
             dtype = self.dtype if dtype is None else dtype
@@ -173,7 +191,22 @@ class ParamBucket:
                 out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
         elif dtype is not None and out.dtype != dtype:
             raise TypeError(f"delta: out has dtype {out.dtype}, dtype= asks for {dtype}")
+        if residual is not None:
+            return ops.feedback_cast(self.anchor(), self._params, residual, out,
+                                     scale * self._delta_scale)
         return ops.delta(self.anchor(), self._params, out, scale * self._delta_scale)
+
+    def mark_result_as_delta(self) -> None:
+        """Declare that this round's future holds the averaged *change*, not new values.
+
+        The value is then ``anchor() - new`` (any float dtype, ``numel()`` elements; a
+        half-precision sum straight from a collective, say), and the round engine writes
+        ``anchor() - value`` into the parameters and the anchor in one chunked pass: the
+        hook needs no bucket-size buffer for its result. Call it before the hook returns;
+        it holds for this round only. Raises ``RuntimeError`` without an anchor.
+        """
+        self.anchor()
+        self._result_is_delta = True
 
     def memory(self) -> dict[str, torch.Tensor]:
         """Tensors a hook keeps across rounds for this bucket (say, an error-feedback residual).
@@ -210,6 +243,7 @@ class ParamBucket:
             raise RuntimeError(f"bucket {self._index}: a weighted round needs an anchor")
         self._loaded = False
         self._delta_scale = delta_scale
+        self._result_is_delta = False
 
     @torch.no_grad()
     def _write_back(self, values: torch.Tensor) -> None:
@@ -217,10 +251,25 @@ class ParamBucket:
         ops.apply_(values.reshape(-1), self._params, self._anchor)
 
     @torch.no_grad()
+    def _write_back_delta(self, change: torch.Tensor) -> None:
+        """``params <- anchor - change`` in place, and the anchor follows (chunked)."""
+        ops.apply_delta_(self._anchor, change.reshape(-1), self._params)
+
+    @torch.no_grad()
+    def _new_values(self, change: torch.Tensor) -> torch.Tensor:
+        """``anchor - change`` in :meth:`workspace`, rounded as :meth:`_write_back_delta` does."""
+        out, change = self.workspace(), change.reshape(-1)
+        if self.dtype == torch.float32 and change.dtype != torch.float64:
+            out.copy_(change)  # exact widening, then a same-dtype subtraction
+            return torch.sub(self._anchor, out, out=out)
+        ct = torch.float64 if torch.float64 in (self.dtype, change.dtype) else torch.float32
+        return out.copy_(self._anchor.to(ct) - change.to(ct))
+
+    @torch.no_grad()
     def _snapshot_launch(self) -> None:
         """Remember the parameters as an overlapped round begins (one copy, kept)."""
         if self._launch is None:
-            self._launch = torch.empty_like(self._buffer)
+            self._launch = self._empty()
         ops.flatten(self._params, self._launch)
 
     @torch.no_grad()

@@ -232,7 +232,7 @@ class AveragingHandle:
             self.stats.bytes_sent += pending.bytes_sent
             self.stats.last_round_bytes = pending.bytes_sent
         self.stats.wait_seconds += finished.wait_seconds
-        measured = self._reporter.measure(self._engine.buckets, finished)
+        measured = self._reporter.measure(pending.buckets, finished)
         self._engine.write_back(pending, finished)
         for policy in self._policies:
             policy.after_write_back()

@@ -24,7 +24,7 @@ Example:
     >>> handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None)
     >>> handle.average()
     >>> {kind: d.get("cpu", 0) for kind, d in handle.memory_bytes().items()}
-    {'bucket_buffers': 40, 'anchors': 40, 'scratch': 20, 'residuals': 40, 'hook_state': 0, 'policies': 0}
+    {'bucket_buffers': 0, 'anchors': 40, 'scratch': 20, 'residuals': 20, 'hook_state': 0, 'policies': 0}
     >>> handle.remove(); dist.destroy_process_group()
 """
 
@@ -70,7 +70,8 @@ def _walk(obj, kind: str, seen: set) -> Iterator[tuple[str, torch.Tensor]]:
 
 def _bucket_tensors(bucket, kind_of_buffer: str) -> Iterator[tuple[str, torch.Tensor]]:
     if getattr(bucket, "_in_place", None) is None:
-        yield kind_of_buffer, bucket._buffer
+        if bucket._flat is not None:  # allocated on first use
+            yield kind_of_buffer, bucket._flat
     else:  # zero copy: the buffer is the parameters; scratch only where a hook needs it
         yield from (("scratch", t) for t in (bucket._copy, bucket._work) if t is not None)
     if kind_of_buffer == "policies":

@@ -42,13 +42,17 @@ class RoundObserver:
 
 
 @torch.no_grad()
-def squared_distance(bucket, values: torch.Tensor, *, from_launch: bool = False) -> torch.Tensor:
-    """``||params - values||^2`` of a bucket, in float64 (``from_launch``: its launch snapshot)."""
+def squared_distance(bucket, values: torch.Tensor, *, from_launch: bool = False,
+                     change: bool = False) -> torch.Tensor:
+    """``||params - values||^2`` of a bucket, in float64 (``from_launch``: its launch
+    snapshot; ``change``: ``values`` is ``anchor - new``, as a delta result is)."""
     params = bucket.parameters()
     source = split_like(bucket._launch, params) if from_launch else params
+    anchors = split_like(bucket.anchor(), params) if change else [None] * len(params)
     total = torch.zeros((), dtype=torch.float64, device=bucket.device)
-    for p, v in zip(source, split_like(values.reshape(-1), params)):
-        total += (p.double() - v.double()).pow(2).sum()
+    for p, v, a in zip(source, split_like(values.reshape(-1), params), anchors):
+        new = v.double() if a is None else a.double() - v.double()
+        total += (p.double() - new).pow(2).sum()
     return total
 
 
@@ -58,8 +62,8 @@ class ConsensusTracker(RoundObserver):
     collective = True
 
     def measure(self, buckets, finished):
-        return sum((squared_distance(b, v, from_launch=finished.overlapped).cpu()
-                    for b, v in zip(buckets, finished.results)),
+        return sum((squared_distance(b, v, from_launch=finished.overlapped, change=c).cpu()
+                    for b, v, c in zip(buckets, finished.results, finished.changes)),
                    torch.zeros((), dtype=torch.float64))
 
     def report(self, handle, round_number: int, measured) -> None:

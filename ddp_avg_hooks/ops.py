@@ -1,5 +1,10 @@
 """Fused bucket copies: flatten, unflatten, delta and apply, with casting.
 
+Two more ops serve hooks that keep no bucket-size float buffer: :func:`feedback_cast`
+(the error-feedback rounding of the change) and :func:`apply_delta_` (write a round's
+averaged change). They run in bounded chunks, in the foreach tier when the extension
+would take the call (their results are the same bits either way).
+
 This module is the only one that knows where the ops come from. Each call is
 validated once, here (``ValueError`` for sizes, layout and devices, ``TypeError`` for
 dtypes), then routed, as ``torch.optim`` picks fused / foreach / for-loop kernels:
@@ -55,6 +60,8 @@ _FOREACH = SimpleNamespace(
     unflatten_=_fallback.foreach_unflatten_,
     delta=_fallback.foreach_delta,
     apply_=_fallback.foreach_apply_,
+    feedback_cast=_fallback.foreach_feedback_cast,
+    apply_delta_=_fallback.foreach_apply_delta_,
 )
 
 
@@ -196,14 +203,65 @@ def apply_(
     flats = (flat,)
     if anchor is not None:
         _check_flat(anchor, params, "anchor", "apply_")
-        for i, p in enumerate(params):
-            if p.dtype != anchor.dtype:
-                raise TypeError(
-                    f"apply_: anchor has dtype {anchor.dtype} but params[{i}] has {p.dtype}; "
-                    "the anchor must have the parameters' dtype"
-                )
+        _check_same_dtype(anchor, "anchor", params, "apply_")
         flats = (flat, anchor)
     _impl(flats, params).apply_(flat, params, anchor)
+
+
+def _chunked_impl(flats: Sequence[torch.Tensor], params: Sequence[torch.Tensor]):
+    return _fallback if _route(flats, params) == "reference" else _FOREACH
+
+
+def _check_same_dtype(t: torch.Tensor, what: str, params, op: str) -> None:
+    for i, p in enumerate(params):
+        if p.dtype != t.dtype:
+            raise TypeError(
+                f"{op}: {what} has dtype {t.dtype} but params[{i}] has {p.dtype}; "
+                f"the {what} must have the parameters' dtype"
+            )
+
+
+def feedback_cast(
+    anchor: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    residual: torch.Tensor,
+    out: torch.Tensor,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Round the scaled change to ``out.dtype``, keeping what the rounding lost.
+
+    With ``x = (anchor - flatten(params)) * scale + residual`` (float32 arithmetic,
+    float64 if any tensor is float64): ``out <- x`` rounded to ``out.dtype`` and
+    ``residual <- x - out`` rounded to ``residual.dtype``; returns ``out``. Any float
+    dtypes; no temporary the size of the bucket.
+
+    Example:
+        >>> import torch
+        >>> from ddp_avg_hooks import ops
+        >>> anchor, p = torch.ones(3), [torch.zeros(3)]
+        >>> residual = torch.zeros(3, dtype=torch.bfloat16)
+        >>> out = ops.feedback_cast(anchor, p, residual, torch.empty(3, dtype=torch.float16), 1 / 3)
+        >>> out[0].item(), residual[0].item()  # fp16(1/3) and the bf16 of what it lost
+        (0.333251953125, 8.153915405273438e-05)
+    """
+    params = _as_list(params)
+    for t, what in ((anchor, "anchor"), (residual, "residual"), (out, "out")):
+        _check_flat(t, params, what, "feedback_cast")
+    _chunked_impl((anchor, residual, out), params).feedback_cast(anchor, params, residual, out,
+                                                                  scale)
+    return out
+
+
+def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
+                 params: Sequence[torch.Tensor]) -> None:
+    """``params <- anchor - change`` in place (rounded to the parameters' dtype), then
+    ``anchor <- params``. ``change`` may have any float dtype; the anchor has the
+    parameters' dtype. No temporary the size of the bucket."""
+    params = _as_list(params)
+    _check_flat(anchor, params, "anchor", "apply_delta_")
+    _check_flat(change, params, "change", "apply_delta_")
+    _check_same_dtype(anchor, "anchor", params, "apply_delta_")
+    _chunked_impl((anchor, change), params).apply_delta_(anchor, change, params)
 
 
 # ---------------------------------------------------------------- blockwise quantization

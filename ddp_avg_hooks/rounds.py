@@ -11,7 +11,9 @@ One round, in order:
 3. **write back**: only once every result is valid, copy the results into the
    parameters in place (and into the anchors); an overlapped round adds the change
    instead, ``params + (result - params_at_launch)``, keeping the progress made while
-   it was in flight.
+   it was in flight. A bucket whose hook called ``bucket.mark_result_as_delta()``
+   returned the averaged change: its new values are ``anchor - result``, written in
+   one chunked pass.
 
 A failed round raises :class:`AveragingHookError` before step 3, so no parameter
 changes.
@@ -68,7 +70,11 @@ class PendingRound:
     started: float
     overlapped: bool
     where: str
+    changes: list[bool] = dataclasses.field(default_factory=list)  # results that are deltas
     bytes_sent: int = 0  # set by collect(), even when a check fails
+
+    def __post_init__(self) -> None:
+        self.changes = list(self.changes) or [False] * len(self.futures)
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures + self.extra_futures)
@@ -84,6 +90,10 @@ class FinishedRound:
     bytes_sent: int
     wait_seconds: float
     started: float
+    changes: list[bool] = dataclasses.field(default_factory=list)  # ``anchor - new`` results
+
+    def __post_init__(self) -> None:
+        self.changes = list(self.changes) or [False] * len(self.results)
 
 
 class RoundEngine:
@@ -133,13 +143,14 @@ class RoundEngine:
         buckets = self.buckets if fragment is None else self.fragments[fragment]
         with record_function("ddp_avg_hooks::round::launch"):
             futures = [self._call_hook(b, overlapped, where, delta_scale) for b in buckets]
+            changes = [b._result_is_delta for b in buckets]
             extras = list(extras)
             extra_futures = []
             for bucket in extras:
                 bucket._start_round()
                 extra_futures.append(allreduce_hook(self.exact_group, bucket))
         return PendingRound(futures, list(buckets), extras, extra_futures, started, overlapped,
-                            where)
+                            where, changes)
 
     def _call_hook(self, bucket: ParamBucket, overlapped: bool, where: str, delta_scale: float):
         bucket._start_round(delta_scale)
@@ -168,14 +179,19 @@ class RoundEngine:
         finally:
             pending.bytes_sent = sum(b._take_bytes_sent() for b in pending.buckets + pending.extras)
         return FinishedRound(results, extra_results, pending.overlapped, pending.bytes_sent,
-                             time.perf_counter() - wait_start, pending.started)
+                             time.perf_counter() - wait_start, pending.started,
+                             pending.changes)
 
     def write_back(self, pending: PendingRound, finished: FinishedRound) -> None:
         """Copy the results into the parameters in place (all of them valid by now)."""
         with record_function("ddp_avg_hooks::round::write_back"):
-            for bucket, value in zip(pending.buckets, finished.results):
+            for bucket, value, change in zip(pending.buckets, finished.results,
+                                             finished.changes):
                 if finished.overlapped:
-                    bucket._write_back_with_progress(value, self.mixing)
+                    new = bucket._new_values(value) if change else value
+                    bucket._write_back_with_progress(new, self.mixing)
+                elif change:
+                    bucket._write_back_delta(value)
                 else:
                     bucket._write_back(value)
             for bucket, value in zip(pending.extras, finished.extra_results):

@@ -40,13 +40,17 @@ def test_exact_hook_holds_one_buffer(world1):
     assert _report(dah.hooks.allreduce_hook, None) == _expect()
 
 
-def test_half_hooks_hold_anchor_delta_residual_and_send_buffer(world1):
-    # the corrected delta is computed in the round's workspace: only the fp16 send buffer
-    full = _expect(anchors=P, scratch=P // 2, residuals=P)
+def test_half_hooks_hold_anchor_residual_and_send_buffer(world1):
+    # The summed half values are the round's result (applied as anchor - sum): no float
+    # buffer; the residual is bfloat16 by default. 2x the parameters in all.
+    full = _expect(bucket_buffers=0, anchors=P, scratch=P // 2, residuals=P // 2)
     assert _report(dah.hooks.fp16_compress_hook, None) == full
     assert _report(dah.hooks.bf16_compress_hook, dah.hooks.HalfDeltaState()) == full
+    assert sum(full.values()) == 2 * P
+    wide = dah.hooks.HalfDeltaState(residual_dtype=None)  # the bucket's dtype: float32
+    assert _report(dah.hooks.fp16_compress_hook, wide) == {**full, "residuals": P}
     # without error feedback: only the fp16 delta is sent, nothing is carried
-    plain = _expect(anchors=P, scratch=P // 2)
+    plain = _expect(bucket_buffers=0, anchors=P, scratch=P // 2)
     assert _report(dah.hooks.fp16_compress_hook, dah.hooks.HalfDeltaState(error_feedback=False)) == plain
 
 

@@ -268,6 +268,9 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
         inner_fut = inner_hook(state.inner_state, bucket)
         if not is_member(or_world(state.process_group)):
             return inner_fut  # not averaging here: leave the parameters alone
+        # an inner result that is the averaged change is the pseudo-gradient itself;
+        # this hook returns new values either way
+        inner_gives_change, bucket._result_is_delta = bucket._result_is_delta, False
         outer = state._outer(bucket)
         anchor, scratch = bucket.anchor(), bucket.workspace()
 
@@ -275,7 +278,10 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
             average = fut.value()
             if not isinstance(average, torch.Tensor) or average.numel() != bucket.numel():
                 return average  # let the registry report what the inner hook returned
-            grad = torch.sub(anchor, average.reshape(-1), out=scratch)  # pseudo-gradient
+            if inner_gives_change:
+                grad = scratch.copy_(average.reshape(-1))
+            else:
+                grad = torch.sub(anchor, average.reshape(-1), out=scratch)  # pseudo-gradient
             outer.param.copy_(anchor)
             outer.param.grad = grad
             try:

@@ -1,0 +1,125 @@
+"""``ops.feedback_cast`` and ``ops.apply_delta_``: bit for bit against plain torch, in chunks.
+
+The references here are written from the documented rule (float32 arithmetic, float64
+when a tensor is float64, one rounding per output) with whole-tensor torch ops; both
+tiers of ``_fallback`` (per-tensor reference and chunked foreach) must match them, for
+any chunk size, mixed parameter dtypes and a channels-last parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddp_avg_hooks import _fallback, ops
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+TIERS = {"reference": (_fallback.feedback_cast, _fallback.apply_delta_),
+         "foreach": (_fallback.foreach_feedback_cast, _fallback.foreach_apply_delta_)}
+
+
+def _params(dtypes):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(4, 3, 5, 5), (37,), (300,), (2, 64)]
+    ps = []
+    for shape, dt in zip(shapes, dtypes):
+        p = (torch.randn(shape, generator=g) * 20).to(dt)
+        if len(shape) == 4:
+            p = p.to(memory_format=torch.channels_last)  # a non-contiguous parameter
+        ps.append(p)
+    return ps
+
+
+def _flat_of(ps, dtype):
+    return torch.cat([p.reshape(-1).to(dtype) for p in ps])
+
+
+def _ct(*dts):
+    return F64 if F64 in dts else F32
+
+
+def _expected_feedback(anchor, ps, residual, out_dtype, scale):
+    outs, res = [], []
+    off = 0
+    for p in ps:
+        n = p.numel()
+        ct = _ct(anchor.dtype, p.dtype, residual.dtype, out_dtype)
+        x = ((anchor[off:off + n].to(ct) - p.reshape(-1).to(ct)) * scale
+             + residual[off:off + n].to(ct))
+        o = x.to(out_dtype)
+        outs.append(o)
+        res.append((x - o.to(ct)).to(residual.dtype))
+        off += n
+    return torch.cat(outs), torch.cat(res)
+
+
+def _bits_equal(a, b):
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+@pytest.mark.parametrize("dtypes,out_dtype,res_dtype", [
+    ((F32,) * 4, F16, BF16), ((F32,) * 4, BF16, F32), ((F32, BF16, F32, F16), F16, BF16),
+    ((F64,) * 4, F16, BF16), ((F32,) * 4, F16, F64)])
+@pytest.mark.parametrize("scale", [1.0, 1 / 3])
+def test_feedback_cast_matches_the_rule(monkeypatch, tier, chunk, dtypes, out_dtype, res_dtype,
+                                        scale):
+    monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
+    ps = _params(dtypes)
+    anchor_dtype = F64 if F64 in dtypes else F32
+    g = torch.Generator().manual_seed(1)
+    anchor = _flat_of(ps, anchor_dtype) + torch.randn(sum(p.numel() for p in ps), generator=g,
+                                                      dtype=anchor_dtype) * 1e-2
+    residual = (torch.randn(anchor.numel(), generator=g) * 1e-5).to(res_dtype)
+    want_out, want_res = _expected_feedback(anchor, ps, residual, out_dtype, scale)
+    out = torch.empty(anchor.numel(), dtype=out_dtype)
+    TIERS[tier][0](anchor, ps, residual, out, scale)
+    assert _bits_equal(out, want_out)
+    assert _bits_equal(residual, want_res)
+    assert residual.abs().max() > 0
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+@pytest.mark.parametrize("dtypes,change_dtype", [
+    ((F32,) * 4, F16), ((F32,) * 4, BF16), ((F32,) * 4, F32), ((BF16,) * 4, F16),
+    ((F64,) * 4, F16), ((F32,) * 4, F64)])
+def test_apply_delta_matches_the_rule(monkeypatch, tier, chunk, dtypes, change_dtype):
+    monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
+    ps = _params(dtypes)
+    ptrs, strides = [p.data_ptr() for p in ps], [p.stride() for p in ps]
+    anchor = _flat_of(ps, dtypes[0]) + 0.25
+    g = torch.Generator().manual_seed(2)
+    change = (torch.randn(anchor.numel(), generator=g) * 1e-3).to(change_dtype)
+    ct = _ct(anchor.dtype, change.dtype, dtypes[0])
+    want = (anchor.to(ct) - change.to(ct)).to(dtypes[0])
+    TIERS[tier][1](anchor, change, ps)
+    assert _bits_equal(_flat_of(ps, dtypes[0]), want)
+    assert _bits_equal(anchor, want)
+    assert [p.data_ptr() for p in ps] == ptrs and [p.stride() for p in ps] == strides
+
+
+def test_ops_route_to_the_chunked_tier_and_allocate_little(monkeypatch):
+    monkeypatch.setattr(_fallback, "_CPU_CHUNK", 1 << 14)
+    ps = [torch.randn(512, 512), torch.randn(512)]
+    n = sum(p.numel() for p in ps)
+    anchor, residual = _flat_of(ps, F32) + 1e-3, torch.zeros(n, dtype=BF16)
+    out = torch.empty(n, dtype=F16)
+    ops.feedback_cast(anchor, ps, residual, out, 0.5)  # warm the scratch buffers
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        ops.feedback_cast(anchor, ps, residual, out, 0.5)
+        ops.apply_delta_(anchor, out, ps)
+    largest = max((e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0), default=0)
+    assert largest < 4 * n // 8, f"allocated {largest} B for a {4 * n} B bucket"
+
+
+def test_errors_name_the_argument():
+    ps = [torch.zeros(4)]
+    with pytest.raises(ValueError, match="feedback_cast: residual has 3 elements"):
+        ops.feedback_cast(torch.zeros(4), ps, torch.zeros(3), torch.zeros(4, dtype=F16))
+    with pytest.raises(TypeError, match="apply_delta_: anchor has dtype torch.float16 but params"):
+        ops.apply_delta_(torch.zeros(4, dtype=F16), torch.zeros(4), ps)
+    with pytest.raises(ValueError, match="apply_delta_: change must be a contiguous 1-D"):
+        ops.apply_delta_(torch.zeros(4), torch.zeros(2, 2), ps)
