@@ -12,6 +12,7 @@
 #   3. JIT build of the extension with CUDA, for this GPU's compute capability only
 #   4. the CUDA tests of tests/test_ops.py (CPU ones too: they are quick)
 #   5. benchmarks/bench_ops.py --device cuda: GB/s of every op vs the device's copy_
+#   6. benchmarks/bench_memory.py --device cuda: peak extra device memory of each hook
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -61,3 +62,7 @@ echo "== 4. tests (CUDA and CPU)"
 
 echo "== 5. benchmark on the GPU (GB/s vs copy_ of the same number of fp32 elements)"
 "$PY" benchmarks/bench_ops.py --device cuda --min-run-time 0.5
+
+echo "== 6. device memory of each hook on the GPU (offload_state=True: <= 0.1x the model is the target)"
+"$PY" benchmarks/bench_memory.py --device cuda --mb 400 \
+  --variants allreduce,zero_copy,fp16,fp16_offload,diloco_fp16_offload

@@ -11,9 +11,12 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from . import ops
+from ._bucket_rounds import BucketRounds, split_like
+
+__all__ = ["ParamBucket", "assign_buckets", "split_like"]
 
 
-class ParamBucket:
+class ParamBucket(BucketRounds):
     """A group of parameters of one (device, dtype) and a persistent flat buffer.
 
     In a round, :meth:`buffer` holds the parameters (copied on first use); the hook
@@ -30,7 +33,8 @@ class ParamBucket:
     Public surface: the ``GradBucket`` shape (:meth:`index`, :meth:`buffer`,
     :meth:`parameters`, :meth:`is_last`, :meth:`set_buffer`) plus :meth:`numel`,
     :meth:`anchor`, :meth:`delta`, :meth:`workspace`, :meth:`mark_result_as_delta`,
-    :meth:`memory`, :meth:`record_sent` and the ``device`` / ``dtype`` attributes.
+    :meth:`memory`, :meth:`new_state`, :meth:`record_sent` and the ``device`` / ``dtype``
+    / ``state_device`` attributes.
     Methods starting with ``_`` belong to the round engine. The flat buffer is allocated
     on first use, so a hook that never calls :meth:`buffer` or :meth:`workspace` (one
     that returns the averaged change, say) costs no memory for it.
@@ -49,6 +53,11 @@ class ParamBucket:
         >>> b.delta().tolist()
         [0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5]
     """
+
+    #: True when the bucket keeps its state in host memory (``offload_state=True``); hooks
+    #: then do best to finish each bucket before the next (see :mod:`ddp_avg_hooks.offload`)
+    offloaded = False
+    _overlapped = False  # whether the current round overlaps training (set by the engine)
 
     def __init__(
         self,
@@ -71,6 +80,7 @@ class ParamBucket:
         self._params = list(params)
         self._is_last = is_last
         self.device, self.dtype = first.device, first.dtype
+        self.state_device = self.device  # where anchors and hook memory live
         self._numel = sum(p.numel() for p in self._params)
         self._flat: torch.Tensor | None = None  # the buffer, allocated on first use
         self._loaded = False  # whether _buffer holds this round's values
@@ -191,10 +201,13 @@ class ParamBucket:
                 out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
         elif dtype is not None and out.dtype != dtype:
             raise TypeError(f"delta: out has dtype {out.dtype}, dtype= asks for {dtype}")
-        if residual is not None:
-            return ops.feedback_cast(self.anchor(), self._params, residual, out,
-                                     scale * self._delta_scale)
-        return ops.delta(self.anchor(), self._params, out, scale * self._delta_scale)
+        anchor, scale = self._anchor_for_op(), scale * self._delta_scale
+        if residual is None:
+            return ops.delta(anchor, self._params, out, scale)
+        here = self._state_for_op(residual)
+        ops.feedback_cast(anchor, self._params, here, out, scale)
+        self._commit_state(residual, here)
+        return out
 
     def mark_result_as_delta(self) -> None:
         """Declare that this round's future holds the averaged *change*, not new values.
@@ -207,6 +220,15 @@ class ParamBucket:
         """
         self.anchor()
         self._result_is_delta = True
+
+    def new_state(self, dtype: torch.dtype | None = None, *, numel: int | None = None) -> torch.Tensor:
+        """Zeros (``numel()`` elements, the bucket's dtype unless given) where this bucket
+        keeps state across rounds: ``state_device``, the parameters' device unless the
+        registration keeps state in host memory (``offload_state=True``; pinned when the
+        parameters are on CUDA). Hooks create their residuals with it."""
+        pin = self.state_device.type == "cpu" and self.device.type == "cuda"
+        return torch.zeros(self._numel if numel is None else numel, dtype=dtype or self.dtype,
+                           device=self.state_device, pin_memory=pin)
 
     def memory(self) -> dict[str, torch.Tensor]:
         """Tensors a hook keeps across rounds for this bucket (say, an error-feedback residual).
@@ -225,116 +247,11 @@ class ParamBucket:
         """
         self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
-    # --- used by the round engine (rounds.py), not by hooks ---------------------------
-    @torch.no_grad()
-    def _load_parameters(self) -> torch.Tensor:
-        """Copy the live parameters into :meth:`buffer` and return it."""
-        self._loaded = True
-        return ops.flatten(self._params, self._buffer)
-
-    def _start_round(self, delta_scale: float = 1.0) -> None:
-        """Mark :meth:`buffer` stale: the next call copies the parameters again.
-
-        With ``delta_scale`` != 1, :meth:`buffer` and :meth:`delta` show the change since
-        the anchor scaled by it (this rank's weight in a weighted average) until the
-        next round starts; the parameters themselves are not touched.
-        """
-        if delta_scale != 1.0 and self._anchor is None:
-            raise RuntimeError(f"bucket {self._index}: a weighted round needs an anchor")
-        self._loaded = False
-        self._delta_scale = delta_scale
-        self._result_is_delta = False
-
-    @torch.no_grad()
-    def _write_back(self, values: torch.Tensor) -> None:
-        """Copy ``values`` into the parameters in place (and into the anchor, if kept)."""
-        ops.apply_(values.reshape(-1), self._params, self._anchor)
-
-    @torch.no_grad()
-    def _write_back_delta(self, change: torch.Tensor) -> None:
-        """``params <- anchor - change`` in place, and the anchor follows (chunked)."""
-        ops.apply_delta_(self._anchor, change.reshape(-1), self._params)
-
-    @torch.no_grad()
-    def _new_values(self, change: torch.Tensor) -> torch.Tensor:
-        """``anchor - change`` in :meth:`workspace`, rounded as :meth:`_write_back_delta` does."""
-        out, change = self.workspace(), change.reshape(-1)
-        if self.dtype == torch.float32 and change.dtype != torch.float64:
-            out.copy_(change)  # exact widening, then a same-dtype subtraction
-            return torch.sub(self._anchor, out, out=out)
-        ct = torch.float64 if torch.float64 in (self.dtype, change.dtype) else torch.float32
-        return out.copy_(self._anchor.to(ct) - change.to(ct))
-
-    @torch.no_grad()
-    def _snapshot_launch(self) -> None:
-        """Remember the parameters as an overlapped round begins (one copy, kept)."""
-        if self._launch is None:
-            self._launch = self._empty()
-        ops.flatten(self._params, self._launch)
-
-    @torch.no_grad()
-    def _write_back_with_progress(self, values: torch.Tensor, mixing: float | None = None) -> None:
-        """Apply an overlapped round; the anchor becomes ``values`` (identical on every rank).
-
-        ``mixing=None``: ``params <- params + (values - params_at_launch)``, keeping the
-        local progress made while the round was in flight. ``mixing=alpha``:
-        ``params <- alpha * params + (1 - alpha) * values`` (Streaming DiLoCo's merge).
-        """
-        values = values.reshape(-1)
-        if mixing is not None:
-            torch._foreach_lerp_(self._params, split_like(values, self._params), 1.0 - mixing)
-        else:
-            correction = self._launch.neg_().add_(values)
-            torch._foreach_add_(self._params, split_like(correction, self._params))
-        if self._anchor is not None:
-            self._anchor.copy_(values)
-
-    def _reset_anchor(self) -> None:
-        """Make the current parameters the anchor (a no-op without anchors)."""
-        if self._anchor is not None:
-            ops.flatten(self._params, self._anchor)
-
-    def _take_bytes_sent(self) -> int:
-        sent, self._bytes_sent = self._bytes_sent, 0
-        return sent
-
-    def _state_dict(self) -> dict:
-        """Anchor (or ``None``) and hook memory, cloned: this bucket's part of a checkpoint."""
-        return {"anchor": None if self._anchor is None else self._anchor.clone(),
-                "memory": {k: v.clone() for k, v in self._memory.items()}}
-
-    def _check_state(self, saved: dict) -> None:
-        if self._anchor is not None and saved["anchor"] is None:
-            raise ValueError(
-                f"load_state_dict: bucket {self._index} keeps an anchor but the checkpoint "
-                "has none (was it saved by a handle without keep_anchor?)"
-            )
-
-    def _load_state_dict(self, saved: dict) -> None:
-        """Restore what :meth:`_state_dict` saved (checked first by :meth:`_check_state`)."""
-        if self._anchor is not None:
-            self._anchor.copy_(saved["anchor"])
-        self._memory.clear()
-        self._memory.update({k: v.to(self.device).clone() for k, v in saved["memory"].items()})
-
-    def _layout(self) -> tuple:
-        """(device type, dtype, shapes): what must agree across ranks."""
-        return (self.device.type, str(self.dtype), tuple(tuple(p.shape) for p in self._params))
-
     def __repr__(self) -> str:
         return (
             f"ParamBucket(index={self._index}, params={len(self._params)}, "
             f"numel={self._numel}, dtype={self.dtype}, device={self.device})"
         )
-
-
-def split_like(flat: torch.Tensor, params) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``params``, in order."""
-    out, offset = [], 0
-    for p in params:
-        out.append(flat[offset : offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return out
 
 
 def assign_buckets(

@@ -98,7 +98,7 @@ class AgreementCheck(RoundObserver):
         if not is_member(group):
             return
         buckets = handle.buckets
-        sums = [_checksum(b.anchor() if self._overlap and b._has_anchor()
+        sums = [_checksum(b._stored_anchor() if self._overlap and b._has_anchor()
                           else b._load_parameters()).cpu() for b in buckets]
         local = torch.stack([torch.tensor(handle.step_count, dtype=torch.int64), *sums])
         if dist.get_backend(group) == "nccl":

@@ -25,7 +25,8 @@ from ._groups import is_group
 from .schedules import EverySeconds, PeriodSchedule, as_schedule
 
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
-_FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers", "zero_copy")
+_FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers", "zero_copy",
+          "offload_state")
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ class AveragingOptions:
     optimizer_state: str = "keep"
     on_round: Callable | None = None
     zero_copy: bool = False
+    offload_state: bool = False
     fragments: int = 1
     mixing: float | None = None
 
@@ -84,6 +86,11 @@ class AveragingOptions:
             raise ValueError(
                 f"optimizer_state={self.optimizer_state!r} needs the optimizer: "
                 "pass optimizer=... as well"
+            )
+        if self.zero_copy and self.offload_state:
+            raise ValueError(
+                "zero_copy=True and offload_state=True exclude each other: zero-copy rounds "
+                "keep no state to offload; drop one of them"
             )
         if self.zero_copy and self.overlap:
             raise ValueError(

@@ -18,6 +18,7 @@ from .policies import make_policies
 from .protocol import hook_spec
 from .rounds import AveragingHookError, RoundEngine
 from .schedules import PeriodSchedule
+from .offload import OffloadedBucket
 from .zero_copy import ZeroCopyBucket
 
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
@@ -108,7 +109,10 @@ def register_averaging_hook(
             ``stats.consensus_distance`` at each round, one scalar allreduce);
             ``on_round`` (``callable(handle)`` run on every rank after each round);
             ``zero_copy`` (parameters become views of their bucket's storage, so exact
-            rounds copy nothing; see :mod:`ddp_avg_hooks.zero_copy`); ``fragments``
+            rounds copy nothing; see :mod:`ddp_avg_hooks.zero_copy`); ``offload_state``
+            (anchors, residuals and the outer optimizer's state in host memory, pinned
+            for CUDA parameters, copied in and out a bucket at a time; bit-identical
+            results; see :mod:`ddp_avg_hooks.offload`); ``fragments``
             (int K >= 1: the parameters, cut into K near-equal fragments in parameter
             order, take turns: fragment f is averaged at step s iff ``s >= warmup_steps
             and (s - warmup_steps - f * period // K) % period == 0``, so each is averaged
@@ -161,7 +165,7 @@ def register_averaging_hook(
             "(all have requires_grad=False or are ignored by DDP)"
         )
     zero_copy = {"bucket_type": ZeroCopyBucket, "in_place": not opts.check_finite} \
-        if opts.zero_copy else {}
+        if opts.zero_copy else {"bucket_type": OffloadedBucket} if opts.offload_state else {}
     fragments, buckets = [], []
     parts = split_fragments(params, opts.fragments)
     for i, part in enumerate(parts):

@@ -154,6 +154,7 @@ class RoundEngine:
 
     def _call_hook(self, bucket: ParamBucket, overlapped: bool, where: str, delta_scale: float):
         bucket._start_round(delta_scale)
+        bucket._overlapped = overlapped
         if overlapped:
             bucket._snapshot_launch()
         try:

@@ -79,15 +79,15 @@ class _Residual:
 
     @classmethod
     def zeros(cls, bucket: ParamBucket, dtype: torch.dtype | None = DEFAULT_RESIDUAL_DTYPE) -> _Residual:
-        return cls(torch.zeros(bucket.numel(), dtype=dtype or bucket.dtype, device=bucket.device))
+        return cls(bucket.new_state(dtype))
 
     def _memory_tensors(self):
         yield "residuals", self.residual
         yield "scratch", self._send
 
-    def send_buffer(self, half_dtype: torch.dtype) -> torch.Tensor:
-        if self._send is None or self._send.dtype != half_dtype:
-            self._send = torch.empty_like(self.residual, dtype=half_dtype)
+    def send_buffer(self, half_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._send is None or self._send.dtype != half_dtype or self._send.device != device:
+            self._send = torch.empty(self.residual.numel(), dtype=half_dtype, device=device)
         return self._send
 
 
@@ -239,13 +239,26 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> tor
     if not is_member(group):
         return completed(bucket.buffer())
     scale = 1.0 / dist.get_world_size(group)
-    if mem is None:
-        send = bucket.delta(half_dtype, scale=scale)  # fused (anchor - params) / ws -> half
-    else:  # one chunked pass: the rounding to half, and what it lost into the residual
-        send = bucket.delta(scale=scale, out=mem.send_buffer(half_dtype), residual=mem.residual)
+    residual = None if mem is None else mem.residual
+    # state in host memory: one bucket at a time (see ddp_avg_hooks.offload), unless the
+    # round overlaps training, which must not wait for it
+    one_at_a_time = bucket.offloaded and not bucket._overlapped
+    if one_at_a_time:
+        send = torch.empty(bucket.numel(), dtype=half_dtype, device=bucket.device)
+    elif mem is None:
+        send = None  # bucket.delta's own scratch
+    else:
+        send = mem.send_buffer(half_dtype, bucket.device)
+    # one chunked pass: (anchor - params) / ws rounded to half, and with error feedback
+    # what the rounding lost goes into the residual
+    send = bucket.delta(half_dtype, scale=scale, out=send, residual=residual)
     # the summed half values are the result: the engine writes anchor - sum(h) in the
     # bucket's dtype (half -> float is exact), with no bucket-size float buffer
     bucket.mark_result_as_delta()
+    if one_at_a_time:
+        bucket.record_sent(send)
+        dist.all_reduce(send, group=group)
+        return completed(send.cpu())  # the device buffer is free for the next bucket
     return allreduce_sum_fut(group, send, bucket)
 
 

@@ -173,7 +173,7 @@ class OuterOptimizerState:
         return self._buckets.get(bucket)
 
     def _create(self, bucket: ParamBucket) -> _BucketOuter:
-        param = bucket.anchor().detach().clone()
+        param = bucket._stored_anchor().detach().clone()  # host memory when offloaded
         return _BucketOuter(param, self._factory([param]))
 
     # --- checkpointing ------------------------------------------------------------------
@@ -272,16 +272,22 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
         # this hook returns new values either way
         inner_gives_change, bucket._result_is_delta = bucket._result_is_delta, False
         outer = state._outer(bucket)
-        anchor, scratch = bucket.anchor(), bucket.workspace()
+        anchor = bucket._stored_anchor()  # host memory with offload_state=True: step there
+        scratch = None if bucket.offloaded else bucket.workspace()
 
         def outer_step(fut: torch.futures.Future) -> torch.Tensor:
             average = fut.value()
             if not isinstance(average, torch.Tensor) or average.numel() != bucket.numel():
                 return average  # let the registry report what the inner hook returned
-            if inner_gives_change:
-                grad = scratch.copy_(average.reshape(-1))
+            average = average.reshape(-1)
+            if scratch is None:
+                average = average.to(anchor.device)
+                grad = average.to(anchor.dtype, copy=True) if inner_gives_change \
+                    else torch.sub(anchor, average)
+            elif inner_gives_change:
+                grad = scratch.copy_(average)
             else:
-                grad = torch.sub(anchor, average.reshape(-1), out=scratch)  # pseudo-gradient
+                grad = torch.sub(anchor, average, out=scratch)  # pseudo-gradient
             outer.param.copy_(anchor)
             outer.param.grad = grad
             try:
