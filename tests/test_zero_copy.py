@@ -93,3 +93,24 @@ def test_zero_copy_checkpoint_resumes_exactly(world1):
     for step in range(3, 7):
         train_step(ddp, opt, 0, step)
     assert torch.equal(flat(model), straight)
+
+
+def test_zero_copy_rejected_round_changes_nothing(world1):
+    # check_finite=True: buffer() is a copy, so a round whose result is rejected leaves
+    # the parameters (the buckets' own storage) as they were; a hook that raises before
+    # writing anything does the same without the check.
+    def nan_hook(state, bucket):
+        out = bucket.buffer().mul_(float("nan"))  # scribbles on what buffer() gave it
+        return dah.hooks._comm.completed(out)
+
+    def raising_hook(state, bucket):
+        raise RuntimeError("peer gone")
+
+    for hook, options in ((nan_hook, {"check_finite": True}), (raising_hook, {})):
+        model = make_model()
+        handle = dah.register_averaging_hook(DDP(model), hook, None, zero_copy=True, **options)
+        before = flat(model)
+        with pytest.raises(dah.AveragingHookError):
+            handle.average()
+        assert torch.equal(flat(model), before)
+        handle.remove()
