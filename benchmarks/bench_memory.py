@@ -5,7 +5,9 @@ read the resident set size (RSS), register, run two rounds (each after an optimi
 step), read RSS again and ``handle.memory_bytes()``. "extra" is the growth over the
 model's own size (parameters only; the optimizer's state is excluded by measuring the
 baseline after its first step). PyTorch's ``PeriodicModelAverager`` is measured the same
-way, RSS only (it keeps nothing between rounds; its rounds allocate flat copies), and
+way, RSS only (it keeps nothing between rounds; its rounds allocate flat copies), as is
+torchft's DiLoCo (``torchft_diloco``: its Manager and lighthouse on loopback, a sync
+every step; it keeps a backup of the parameters and the outer optimizer's state), and
 ``none`` (the same steps, no averaging at all) is the control: its RSS growth is what
 the training steps alone leave in the allocator.
 
@@ -27,7 +29,8 @@ import subprocess
 import sys
 
 VARIANTS = ["none", "allreduce", "zero_copy", "fp16", "fp16_f32_residual", "fp16_no_ef", "bf16",
-            "fp16_offload", "powersgd", "diloco", "diloco_fp16_offload", "overlap", "torch_periodic"]
+            "fp16_offload", "powersgd", "diloco", "diloco_fp16_offload", "overlap", "torch_periodic",
+            "torchft_diloco"]
 
 
 def _rss() -> int:
@@ -71,11 +74,18 @@ def _one(variant: str, mb: float, device: str = "cpu") -> dict:
         steps_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     h = dah.hooks
-    handle, averager = None, None
-    if variant == "torch_periodic":
+    handle, averager, peer = None, None, None
+    if variant == "torchft_diloco":  # torchft's DiLoCo, its lighthouse on loopback
+        from types import SimpleNamespace
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from harness.peers import TorchftDiLoCo
+        args = SimpleNamespace(warmup=0, timeout=60, outer_lr=0.7, outer_momentum=0.9, period=1)
+        peer = TorchftDiLoCo(model, opt, args, 1, lambda n: None)
+    elif variant == "torch_periodic":
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         averager = PeriodicModelAverager(period=1, warmup_steps=0)
-    elif variant != "none":
+    elif variant not in ("none", "torchft_diloco"):
         hook, state, options = {
             "allreduce": (h.allreduce_hook, None, {}),
             "fp16": (h.fp16_compress_hook, None, {}),
@@ -98,6 +108,8 @@ def _one(variant: str, mb: float, device: str = "cpu") -> dict:
             handle.average()
         elif averager is not None:
             averager.average_parameters(model.parameters())
+        elif peer is not None:
+            assert peer.after_step(), "torchft's DiLoCo did not sync"
     gc.collect()
     out = {"variant": variant, "model_mb": model_bytes / 2**20, "rss_extra": (_rss() - base) / model_bytes}
     if cuda:
@@ -109,6 +121,8 @@ def _one(variant: str, mb: float, device: str = "cpu") -> dict:
         out["by_kind"] = {f"{k} ({dev})": n / model_bytes for k, d in report.items()
                           for dev, n in d.items()}
         handle.remove()
+    if peer is not None:
+        peer.close()
     dist.destroy_process_group()
     return out
 
