@@ -1,4 +1,4 @@
-"""Run a function on several spawned gloo ranks, with deadlines so nothing can hang.
+"""Run a function on several gloo ranks in fresh processes, with deadlines so nothing can hang.
 
 ``run_ranks(fn, world_size, **kw)`` starts ``world_size`` processes on 127.0.0.1 with
 an OS-chosen port, runs ``fn(rank, world_size, **kw)`` in each after
@@ -12,7 +12,9 @@ killed and ``TimeoutError`` is raised.
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
+import pickle
 import shutil
 import sys
 import tempfile
@@ -25,6 +27,18 @@ import torch.multiprocessing as mp
 
 PG_TIMEOUT_S = float(os.environ.get("DAH_TEST_PG_TIMEOUT", "20"))
 
+# Ranks are forked from a forkserver (one per pytest process) that has imported torch
+# once, instead of each spawned rank importing it again: `import torch` plus the
+# torch._dynamo import of the first DDP construction cost ~6 s of CPU a rank on a
+# 2-core machine, with a few-step rank function taking well under a second. As far as a
+# test can tell a rank still starts fresh: nothing but these imports happened in the
+# forkserver, and a rank takes the parent's current environment (os.environ at the
+# call, plus ``env``) before it unpickles fn and kw, so the test module and
+# ddp_avg_hooks are imported in the rank, under that environment, as with spawn.
+# DAH_TEST_START_METHOD=spawn brings back one interpreter per rank.
+START_METHOD = os.environ.get("DAH_TEST_START_METHOD", "forkserver")
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel", "torch._dynamo"]
+
 
 def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: float | None = None,
               env: dict | None = None, missing_ok: bool = False, hard_exit: bool = False, **kw):
@@ -32,20 +46,24 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
                           timeout=timedelta(seconds=timeout_s))
     out = tempfile.mkdtemp(prefix="dah_ranks_")
     pg_timeout = PG_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
+    if START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+    payload = pickle.dumps((fn, kw))
     try:
         ctx = mp.start_processes(
             _entry,
-            args=(fn, world_size, store.port, out, pg_timeout, env or {}, hard_exit, kw),
+            args=(payload, world_size, store.port, out, pg_timeout,
+                  {**os.environ, **(env or {})}, hard_exit),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=START_METHOD,
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=0.5):
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout_s}s")
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)}: ranks still running after {timeout_s}s")
         paths = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
         # missing_ok: a rank that exits early on purpose (a simulated crash) returns None
         return [torch.load(p, weights_only=False) if (os.path.exists(p) or not missing_ok) else None
@@ -55,8 +73,10 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
         del store
 
 
-def _entry(rank, fn, world_size, port, out, pg_timeout, env, hard_exit, kw):
+def _entry(rank, payload, world_size, port, out, pg_timeout, env, hard_exit):
+    os.environ.clear()
     os.environ.update(env)
+    fn, kw = pickle.loads(payload)
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                           timeout=timedelta(seconds=30))
