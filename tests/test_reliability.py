@@ -146,28 +146,35 @@ def _roundtrip(obj):
 
 
 # --- faults never hang --------------------------------------------------------------
-def _rank_peer_dies(rank, world_size, mode):
+def _rank_peer_dies(rank, world_size, mode, raised):
     model, ddp, handle, opt = _setup(rank, "allreduce")
     for step in range(6):
         train_step(ddp, opt, rank, step)
         if rank == 1 and step == 3:
             if mode == "dies":
                 os._exit(0)
-            time.sleep(8)  # stops answering, then goes away without a result
+            # stops answering until the survivor has raised (30 s at most), then goes
+            # away without a result
+            end = time.monotonic() + 30
+            while not os.path.exists(raised) and time.monotonic() < end:
+                time.sleep(0.05)
             os._exit(0)
         start = time.monotonic()
         try:
             handle.step()
         except dah.AveragingHookError as exc:
-            return {"error": str(exc), "seconds": time.monotonic() - start, "step": step}
+            seconds = time.monotonic() - start
+            open(raised, "w").close()
+            return {"error": str(exc), "seconds": seconds, "step": step}
     return {"error": None}
 
 
 @pytest.mark.parametrize("mode", ["dies", "stalls"])
-def test_a_dead_or_silent_peer_gives_an_error_within_the_timeout(mode):
+def test_a_dead_or_silent_peer_gives_an_error_within_the_timeout(mode, tmp_path):
     pg_timeout = 3.0
     results = run_ranks(_rank_peer_dies, 2, timeout_s=90, pg_timeout_s=pg_timeout,
-                        missing_ok=True, hard_exit=True, mode=mode)
+                        missing_ok=True, hard_exit=True, mode=mode,
+                        raised=str(tmp_path / "survivor_raised"))
     survivor = results[0]
     assert survivor["error"] is not None, "the survivor should have raised"
     assert "bucket 0 of 1" in survivor["error"] and "round 2" in survivor["error"]
