@@ -37,7 +37,8 @@ PG_TIMEOUT_S = float(os.environ.get("DAH_TEST_PG_TIMEOUT", "20"))
 # ddp_avg_hooks are imported in the rank, under that environment, as with spawn.
 # DAH_TEST_START_METHOD=spawn brings back one interpreter per rank.
 START_METHOD = os.environ.get("DAH_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel", "torch._dynamo"]
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel", "torch._dynamo",
+            "pytest"]
 
 
 def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: float | None = None,
@@ -74,6 +75,11 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
 
 
 def _entry(rank, payload, world_size, port, out, pg_timeout, env, hard_exit):
+    # What the rank inherited from the forkserver (torch's ~300k objects) stays out of
+    # garbage collection: a full collection (the one before destroy_process_group below,
+    # or an automatic one) would walk it all (0.25 s) and, by touching every object,
+    # copy the forkserver's whole heap into this process.
+    gc.freeze()
     os.environ.clear()
     os.environ.update(env)
     fn, kw = pickle.loads(payload)
