@@ -114,6 +114,9 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    if not all(hasattr(LoadScopeScheduling, a) for a in ("_split_scope", "_assign_work_unit")):
+        return None  # an xdist whose scope scheduler works otherwise: its default schedule
+
     class LongestFirst(LoadScopeScheduling):
         _ordered = False  # sorted() is stable: ties keep collection order
 
