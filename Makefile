@@ -42,10 +42,19 @@ bench: ext
 	$(PY) benchmarks/bench_train.py --profiles 100mbit --nproc 4 --period 16 \
 	  --variants ddp,none,allreduce,hierarchical --out benchmarks/results/hierarchy \
 	  --title "Hierarchical averaging, 2 nodes x 2 ranks, 100 Mbit/s between the nodes"
-	$(PY) benchmarks/bench_train.py --profiles loopback+jitter,loopback+slow-rank,100mbit+jitter,100mbit+slow-rank \
-	  --variants ddp,none,allreduce,fp16,allreduce_timed,fp16_timed,allreduce_timed_equal \
-	  --out benchmarks/results/uneven \
-	  --title "Uneven workers (jitter, one rank 1.5x slower), step-based period 8 vs time-based rounds"
+	for seed in 0 1; do \
+	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter,loopback+slow-rank --seed $$seed \
+	    --variants ddp,allreduce,fp16,allreduce_timed,fp16_timed,allreduce_timed_equal \
+	    --out benchmarks/results/uneven_seed$$seed \
+	    --title "Uneven workers (jitter; one rank 1.5x slower by a CPU quota), step-based period 8 vs time-based rounds, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter --seed $$seed \
+	    --variants ddp,allreduce_overlap,fp16_overlap --out benchmarks/results/uneven_overlap_seed$$seed \
+	    --title "Uneven workers, rounds overlapped with training (period 8): jitter, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8,fp16_streaming,int8_streaming,int8_streaming_half_period,diloco,torchft_diloco \
+	    --out benchmarks/results/slow_link_best_seed$$seed \
+	    --title "Slow link, best configurations against the peers: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
+	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 
 bench-sweep: ext
