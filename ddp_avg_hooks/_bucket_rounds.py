@@ -49,17 +49,19 @@ class BucketRounds:
         self._loaded = True
         return ops.flatten(self._params, self._buffer)
 
-    def _start_round(self, delta_scale: float = 1.0) -> None:
+    def _start_round(self, delta_scale: float = 1.0, *, overlapped: bool = False) -> None:
         """Mark :meth:`buffer` stale: the next call copies the parameters again.
 
         With ``delta_scale`` != 1, :meth:`buffer` and :meth:`delta` show the change since
         the anchor scaled by it (this rank's weight in a weighted average) until the
-        next round starts; the parameters themselves are not touched.
+        next round starts; the parameters themselves are not touched. ``overlapped``:
+        the round runs while training goes on (hooks must not wait for it).
         """
         if delta_scale != 1.0 and self._anchor is None:
             raise RuntimeError(f"bucket {self._index}: a weighted round needs an anchor")
         self._loaded = False
         self._delta_scale = delta_scale
+        self._overlapped = overlapped
         self._result_is_delta = False
 
     @torch.no_grad()

@@ -57,7 +57,6 @@ class ParamBucket(BucketRounds):
     #: True when the bucket keeps its state in host memory (``offload_state=True``); hooks
     #: then do best to finish each bucket before the next (see :mod:`ddp_avg_hooks.offload`)
     offloaded = False
-    _overlapped = False  # whether the current round overlaps training (set by the engine)
 
     def __init__(
         self,
@@ -86,6 +85,7 @@ class ParamBucket(BucketRounds):
         self._loaded = False  # whether _buffer holds this round's values
         self._delta_scale = 1.0  # this rank's weight in the round (see _start_round)
         self._result_is_delta = False  # see mark_result_as_delta
+        self._overlapped = False  # whether this round overlaps training (see _start_round)
         self._anchor: torch.Tensor | None = None
         if keep_anchor:
             self._anchor = self._empty()

@@ -70,28 +70,29 @@ class OffloadedBucket(ParamBucket):
         if used is not stored:
             stored.copy_(used)
 
-    def _start_round(self, delta_scale: float = 1.0) -> None:
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A round's result where the parameters are (the outer optimizer's is in host memory)."""
+        t = t.reshape(-1)
+        return t if t.device == self.device else self._to_device(t)
+
+    def _start_round(self, delta_scale: float = 1.0, *, overlapped: bool = False) -> None:
         self._staged = None
-        super()._start_round(delta_scale)
+        super()._start_round(delta_scale, overlapped=overlapped)
 
     @torch.no_grad()
     def _write_back(self, values: torch.Tensor) -> None:
-        values = self._state_for_op(values.reshape(-1)) if values.device != self.device \
-            else values.reshape(-1)
-        ops.apply_(values, self._params)
+        ops.apply_(self._on_device(values), self._params)
         self._reset_anchor()
         self._staged = None
 
     @torch.no_grad()
     def _write_back_delta(self, change: torch.Tensor) -> None:
-        if change.device != self.device:
-            change = self._to_device(change.reshape(-1))
-        super()._write_back_delta(change)
+        super()._write_back_delta(self._on_device(change))
         self._staged = None
 
     @torch.no_grad()
     def _write_back_with_progress(self, values: torch.Tensor, mixing: float | None = None) -> None:
-        super()._write_back_with_progress(self._state_for_op(values), mixing)
+        super()._write_back_with_progress(self._on_device(values), mixing)
         self._staged = None
 
     @torch.no_grad()

@@ -70,11 +70,8 @@ class PendingRound:
     started: float
     overlapped: bool
     where: str
-    changes: list[bool] = dataclasses.field(default_factory=list)  # results that are deltas
+    changes: list[bool]  # per bucket: whether its result is ``anchor - new``
     bytes_sent: int = 0  # set by collect(), even when a check fails
-
-    def __post_init__(self) -> None:
-        self.changes = list(self.changes) or [False] * len(self.futures)
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures + self.extra_futures)
@@ -90,10 +87,7 @@ class FinishedRound:
     bytes_sent: int
     wait_seconds: float
     started: float
-    changes: list[bool] = dataclasses.field(default_factory=list)  # ``anchor - new`` results
-
-    def __post_init__(self) -> None:
-        self.changes = list(self.changes) or [False] * len(self.results)
+    changes: list[bool]  # per result: whether it is ``anchor - new``
 
 
 class RoundEngine:
@@ -153,8 +147,7 @@ class RoundEngine:
                             where, changes)
 
     def _call_hook(self, bucket: ParamBucket, overlapped: bool, where: str, delta_scale: float):
-        bucket._start_round(delta_scale)
-        bucket._overlapped = overlapped
+        bucket._start_round(delta_scale, overlapped=overlapped)
         if overlapped:
             bucket._snapshot_launch()
         try:
