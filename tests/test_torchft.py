@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 import torch
@@ -65,6 +66,24 @@ class Cluster:
             if time.monotonic() > end:
                 raise AssertionError(f"no {name} after {timeout} s;\n"
                                      + "\n".join(self.tail(t) for t in self.procs))
+            time.sleep(0.02)
+
+    def wait_quorum_requests(self, n: int, timeout: float = 60) -> None:
+        """Wait until ``n`` replicas have asked the lighthouse for the next quorum.
+
+        Reads the lighthouse's ``/status`` page. A replica released after this point
+        joins the pending quorum: the lighthouse waits for a heartbeating replica (up to
+        ``join_timeout_ms``) unless every member of the previous quorum has asked.
+        """
+        url = self.address + "/status"
+        end = time.monotonic() + timeout
+        while True:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                status = r.read().decode()
+            if f"only have {n} participants" in status:
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"{n} quorum requests not seen after {timeout} s:\n{status}")
             time.sleep(0.02)
 
     def touch(self, name: str) -> None:
@@ -136,6 +155,9 @@ def test_a_dead_replica_is_dropped_and_a_restarted_one_recovers(cluster):
     cluster.wait_file("a.held8")
     cluster.touch("b2.begin")  # b2 (imports done) makes its Manager now
     cluster.wait_file("b2.ready")
+    # b2's quorum request must be pending before a asks: a alone was the last quorum,
+    # so a's request by itself would make a fast quorum without b2
+    cluster.wait_quorum_requests(1)
     cluster.touch("a.go8")
     cluster.join("a"), cluster.join("b2")
 
