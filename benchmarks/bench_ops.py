@@ -18,6 +18,11 @@ delta and the residual and writes the codes, scales and new residual (13 B/eleme
 int8, 12.5 for int4); ``dequantize`` writes ``anchor - D`` (9 / 8.5 B/element); ``sum``
 adds 4 ranks' pieces (per output element: 4 codes read, 4 B written).
 
+The fp16/bf16 hooks' two ops count 14 B/element: ``feedback_cast`` reads the anchor, the
+parameters and the bf16 residual and writes the fp16 delta and the residual;
+``apply_delta_`` reads the anchor and the fp16 change and writes the parameters and the
+anchor.
+
     python benchmarks/bench_ops.py                    # CPU, 1 and 2 threads
     python benchmarks/bench_ops.py --device cuda      # one GPU
     python benchmarks/bench_ops.py --scale 0.05       # a quick smaller run
@@ -38,7 +43,7 @@ from ddp_avg_hooks import _ext, _fallback as F, _quantize as Qz, ops  # noqa: E4
 
 FE = ops._FOREACH  # the foreach tier: _fallback.foreach_flatten, ...
 
-F32, F16 = torch.float32, torch.float16
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 def transformer_params(device: str, scale: float = 1.0, seed: int = 0) -> list[torch.Tensor]:
@@ -100,11 +105,25 @@ def main() -> None:
     check("delta f32->f32", lambda m: m.delta(anchor32, ps, flat32, ws), [flat32])
     check("unflatten f16->f32", lambda m: m.unflatten_(wire16, targets), targets)
     check("apply f32", lambda m: m.apply_(src32, targets, flat32), targets + [flat32])
+    residual16 = (torch.randn(n, device=dev) * 1e-5).to(BF16)
+    res_start = residual16.clone()
+
+    def feedback(m):
+        residual16.copy_(res_start)  # every tier starts from the same residual
+        m.feedback_cast(anchor32, ps, residual16, flat16, ws)
+    check("feedback f32->f16+bf16", feedback, [flat16, residual16])
+    anchor_ad = anchor32.clone()
+
+    def apply_delta(m):
+        anchor_ad.copy_(anchor32)
+        m.apply_delta_(anchor_ad, wire16, targets)
+    check("apply_delta f16", apply_delta, targets + [anchor_ad])
     assert bits_equal(torch._utils._flatten_dense_tensors(ps).half(),
                       F.flatten(ps, flat16)), "flatten_dense().half() differs"
 
     g = dict(C=C, FE=FE, F=F, ps=ps, flat32=flat32, flat16=flat16, src32=src32,
-             anchor32=anchor32, wire16=wire16, targets=targets, ws=ws,
+             anchor32=anchor32, wire16=wire16, targets=targets, ws=ws, residual16=residual16,
+             anchor_ad=anchor_ad,
              flatten_dense=torch._utils._flatten_dense_tensors)
     quant_cases = quantization_cases(C, g, n, dev)
 
@@ -125,6 +144,10 @@ def main() -> None:
         ("delta f32,f32->f32 *s", 12, tiers("delta(anchor32, ps, flat32, ws)")),
         ("unflatten f16->f32", 6, tiers("unflatten_(wire16, targets)")),
         ("apply f32->params+anchor", 12, tiers("apply_(src32, targets, flat32)")),
+        # the half hooks' two passes: error feedback into fp16 with a bf16 residual, and
+        # the averaged fp16 change written into the parameters and the anchor
+        ("feedback f32->f16+bf16 *s", 14, tiers("feedback_cast(anchor32, ps, residual16, flat16, ws)")),
+        ("apply_delta f16->params+anchor", 14, tiers("apply_delta_(anchor_ad, wire16, targets)")),
     ] + quant_cases
 
     if dev.startswith("cuda"):

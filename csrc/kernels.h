@@ -17,6 +17,10 @@
  *   delta:     out[off+j]   = cast((float(anchor[off+j]) - float(p[j])) * scale)
  *   apply:     p[j]         = cast(flat[off+j]); anchor[off+j] = p[j]   (anchor may be NULL,
  *              and otherwise has the parameters' dtype)
+ * Error feedback (the anchor has the parameters' dtype):
+ *   feedback_cast: x = (float(anchor[off+j]) - float(p[j])) * scale + float(residual[off+j]);
+ *              out[off+j] = cast(x); residual[off+j] = cast(x - float(out[off+j]))
+ *   apply_delta:   p[j] = anchor[off+j] = cast(float(anchor[off+j]) - float(change[off+j]))
  *
  * Blockwise quantization (float32 only; ddp_avg_hooks/_quantize.py is the reference). A
  * payload holds `pieces` pieces of `piece_elems` values, a multiple of `block` (even);
@@ -65,7 +69,16 @@ int dah_delta_cpu(const void* anchor, int anchor_dtype, const void* const* param
 int dah_apply_cpu(const void* flat, int flat_dtype, void* const* params, const int64_t* numels,
                   const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
                   int num_threads);
-/* the vector bodies of the quantization kernels (dah_cpu_simd switches them too) */
+int dah_feedback_cast_cpu(const void* anchor, const void* const* params, const int64_t* numels,
+                          const int64_t* offsets, int64_t n, int param_dtype, void* residual,
+                          int residual_dtype, void* out, int out_dtype, float scale,
+                          int num_threads);
+int dah_apply_delta_cpu(void* anchor, const void* change, int change_dtype, void* const* params,
+                        const int64_t* numels, const int64_t* offsets, int64_t n,
+                        int param_dtype, int num_threads);
+/* the vector bodies of the error-feedback and quantization kernels (dah_cpu_simd switches
+ * them too) */
+int dah_feedback_simd(int mode);
 int dah_quantize_simd(int mode);
 int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
                      int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
@@ -96,6 +109,13 @@ int dah_quantize_cuda(const float* x, const float* e_in, int64_t numel, int bits
 int dah_dequantize_cuda(const uint8_t* packed, int bits, int64_t block, int64_t pieces,
                         int64_t piece_elems, int64_t piece_bytes, const float* base, float* out,
                         int64_t numel, int sum_pieces, void* stream);
+int dah_feedback_cast_cuda(const void* anchor, const void* const* params, const int64_t* numels,
+                           const int64_t* offsets, int64_t n, int param_dtype, void* residual,
+                           int residual_dtype, void* out, int out_dtype, float scale,
+                           void* stream);
+int dah_apply_delta_cuda(void* anchor, const void* change, int change_dtype, void* const* params,
+                         const int64_t* numels, const int64_t* offsets, int64_t n,
+                         int param_dtype, void* stream);
 const char* dah_cuda_error_string(int code);
 
 #ifdef __cplusplus

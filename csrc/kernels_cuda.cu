@@ -26,7 +26,7 @@ constexpr int kVec = 4;     // elements per vector access
 constexpr int kUnroll = 4;  // vector accesses per thread per chunk
 constexpr int64_t kChunk = int64_t{kThreads} * kVec * kUnroll;  // elements per block
 
-enum Mode { kFlatten = 0, kUnflatten = 1, kDelta = 2, kApply = 3 };
+enum Mode { kFlatten = 0, kUnflatten = 1, kDelta = 2, kApply = 3, kFeedback = 4, kApplyDelta = 5 };
 
 struct SegList {  // passed by value: ~1.3 KB of the 4 KB argument space
   void* param[DAH_CUDA_MAX_TENSORS];
@@ -52,15 +52,18 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kVec) == 0;
 }
 
-// p: the parameter's slice; a: flat buffer A's slice (flatten/delta output, unflatten/apply
-// input); b: flat buffer B's slice (delta: the anchor, read; apply: the anchor, written,
-// may be null). Element j of the slice, `count` elements starting at j.
-template <int kMode, class P, class A, class B, bool kScale, int N>
+// p: the parameter's slice; a: flat buffer A's slice (flatten/delta/feedback output,
+// unflatten/apply/apply-delta input); b: flat buffer B's slice (delta, feedback: the anchor,
+// read; apply: the anchor, written, may be null; apply-delta: the anchor, read and
+// written); c: flat buffer C's slice (feedback: the residual, read and written; null
+// otherwise). N elements from there.
+template <int kMode, class P, class A, class B, class C, bool kScale, int N>
 __device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typename B::T* b,
-                                         float s) {
+                                         typename C::T* c, float s) {
   using PT = typename P::T;
   using AT = typename A::T;
   using BT = typename B::T;
+  using CT = typename C::T;
   if constexpr (kMode == kFlatten) {
     Vec<PT, N> in = *reinterpret_cast<const Vec<PT, N>*>(p);
     Vec<AT, N> out;
@@ -86,6 +89,27 @@ __device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typ
 #pragma unroll
     for (int k = 0; k < N; ++k) out.v[k] = A::store((B::load(an.v[k]) - P::load(pv.v[k])) * s);
     *reinterpret_cast<Vec<AT, N>*>(a) = out;
+  } else if constexpr (kMode == kFeedback) {  // B is P
+    Vec<BT, N> an = *reinterpret_cast<const Vec<BT, N>*>(b);
+    Vec<PT, N> pv = *reinterpret_cast<const Vec<PT, N>*>(p);
+    Vec<CT, N> rv = *reinterpret_cast<const Vec<CT, N>*>(c);
+    Vec<AT, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float x = (B::load(an.v[k]) - P::load(pv.v[k])) * s + C::load(rv.v[k]);
+      out.v[k] = A::store(x);
+      rv.v[k] = C::store(x - A::load(out.v[k]));
+    }
+    *reinterpret_cast<Vec<AT, N>*>(a) = out;
+    *reinterpret_cast<Vec<CT, N>*>(c) = rv;
+  } else if constexpr (kMode == kApplyDelta) {  // B is P
+    Vec<BT, N> an = *reinterpret_cast<const Vec<BT, N>*>(b);
+    Vec<AT, N> ch = *reinterpret_cast<const Vec<AT, N>*>(a);
+    Vec<PT, N> out;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out.v[k] = P::store(B::load(an.v[k]) - A::load(ch.v[k]));
+    *reinterpret_cast<Vec<PT, N>*>(p) = out;
+    *reinterpret_cast<Vec<PT, N>*>(b) = out;
   } else {  // kApply: B is P
     Vec<AT, N> in = *reinterpret_cast<const Vec<AT, N>*>(a);
     Vec<PT, N> out;
@@ -96,12 +120,13 @@ __device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typ
   }
 }
 
-template <int kMode, class P, class A, class B, bool kScale>
+template <int kMode, class P, class A, class B, class C, bool kScale>
 __global__ void __launch_bounds__(kThreads)
-    seg_kernel(SegList list, void* flat_a, void* flat_b, float s) {
+    seg_kernel(SegList list, void* flat_a, void* flat_b, void* flat_c, float s) {
   using PT = typename P::T;
   using AT = typename A::T;
   using BT = typename B::T;
+  using CT = typename C::T;
   const int64_t chunk = blockIdx.x;
   int lo = 0, hi = list.n - 1;  // last i with first_chunk[i] <= chunk
   while (lo < hi) {
@@ -115,22 +140,27 @@ __global__ void __launch_bounds__(kThreads)
   PT* p = static_cast<PT*>(list.param[lo]) + begin;
   AT* a = static_cast<AT*>(flat_a) + list.offset[lo] + begin;
   BT* b = flat_b == nullptr ? nullptr : static_cast<BT*>(flat_b) + list.offset[lo] + begin;
+  CT* c = flat_c == nullptr ? nullptr : static_cast<CT*>(flat_c) + list.offset[lo] + begin;
 
   int64_t j = threadIdx.x;
-  if (vec_aligned<PT>(p) && vec_aligned<AT>(a) && (b == nullptr || vec_aligned<BT>(b))) {
+  if (vec_aligned<PT>(p) && vec_aligned<AT>(a) && (b == nullptr || vec_aligned<BT>(b)) &&
+      (c == nullptr || vec_aligned<CT>(c))) {
     const int64_t nv = n / kVec * kVec;
 #pragma unroll kUnroll
     for (int64_t v = int64_t{threadIdx.x} * kVec; v < nv; v += int64_t{kThreads} * kVec)
-      do_elems<kMode, P, A, B, kScale, kVec>(p + v, a + v, b == nullptr ? nullptr : b + v, s);
+      do_elems<kMode, P, A, B, C, kScale, kVec>(p + v, a + v, b == nullptr ? nullptr : b + v,
+                                                c == nullptr ? nullptr : c + v, s);
     j = nv + threadIdx.x;  // scalar tail
   }
   for (; j < n; j += kThreads)
-    do_elems<kMode, P, A, B, kScale, 1>(p + j, a + j, b == nullptr ? nullptr : b + j, s);
+    do_elems<kMode, P, A, B, C, kScale, 1>(p + j, a + j, b == nullptr ? nullptr : b + j,
+                                           c == nullptr ? nullptr : c + j, s);
 }
 
-template <int kMode, class P, class A, class B, bool kScale>
+template <int kMode, class P, class A, class B, bool kScale, class C = F32>
 cudaError_t launch_list(void* const* params, const int64_t* numels, const int64_t* offsets,
-                        int64_t n, void* flat_a, void* flat_b, float s, cudaStream_t stream) {
+                        int64_t n, void* flat_a, void* flat_b, float s, cudaStream_t stream,
+                        void* flat_c = nullptr) {
   if (n < 0) return cudaErrorInvalidValue;
   SegList list;
   list.n = 0;
@@ -139,8 +169,8 @@ cudaError_t launch_list(void* const* params, const int64_t* numels, const int64_
   auto flush = [&]() {
     if (list.n == 0) return;
     list.first_chunk[list.n] = chunks;
-    seg_kernel<kMode, P, A, B, kScale>
-        <<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(list, flat_a, flat_b, s);
+    seg_kernel<kMode, P, A, B, C, kScale>
+        <<<static_cast<unsigned>(chunks), kThreads, 0, stream>>>(list, flat_a, flat_b, flat_c, s);
     const cudaError_t e = cudaGetLastError();
     if (err == cudaSuccess) err = e;
     list.n = 0;
@@ -233,6 +263,43 @@ int dah_apply_cuda(const void* flat, int flat_dtype, void* const* params, const 
       err = launch_list<kApply, PT, AT, PT, false>(params, numels, offsets, n,
                                                    const_cast<void*>(flat), anchor, 1.0f,
                                                    static_cast<cudaStream_t>(stream));
+    });
+  });
+  return static_cast<int>(err);
+}
+
+int dah_feedback_cast_cuda(const void* anchor, const void* const* params, const int64_t* numels,
+                           const int64_t* offsets, int64_t n, int param_dtype, void* residual,
+                           int residual_dtype, void* out, int out_dtype, float scale,
+                           void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  void* const* ps = const_cast<void* const*>(params);  // read only in kFeedback
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(residual_dtype, [&](auto R) {
+      dispatch(out_dtype, [&](auto O) {
+        using PT = decltype(P);
+        using RT = decltype(R);
+        using OT = decltype(O);
+        err = launch_list<kFeedback, PT, OT, PT, true, RT>(
+            ps, numels, offsets, n, out, const_cast<void*>(anchor), scale,
+            static_cast<cudaStream_t>(stream), residual);
+      });
+    });
+  });
+  return static_cast<int>(err);
+}
+
+int dah_apply_delta_cuda(void* anchor, const void* change, int change_dtype, void* const* params,
+                         const int64_t* numels, const int64_t* offsets, int64_t n,
+                         int param_dtype, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch(param_dtype, [&](auto P) {
+    dispatch(change_dtype, [&](auto C) {
+      using PT = decltype(P);
+      using CT = decltype(C);
+      err = launch_list<kApplyDelta, PT, CT, PT, false>(params, numels, offsets, n,
+                                                        const_cast<void*>(change), anchor, 1.0f,
+                                                        static_cast<cudaStream_t>(stream));
     });
   });
   return static_cast<int>(err);

@@ -227,6 +227,65 @@ void apply(const at::Tensor& flat, const std::vector<at::Tensor>& params,
   if (anchor.has_value()) bump(*anchor);
 }
 
+// ---- error feedback: the anchor has the parameters' dtype (ops.py routes only those) ----
+
+void check_anchor_dtype(const char* op, const at::Tensor& anchor,
+                        const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params)
+    TORCH_CHECK(p.scalar_type() == anchor.scalar_type(), op,
+                ": the anchor must have the parameters' dtype");
+}
+
+void feedback_cast(const at::Tensor& anchor, const std::vector<at::Tensor>& params,
+                   const at::Tensor& residual, const at::Tensor& out, double scale) {
+  check_args("feedback_cast", params, {&out, &anchor, &residual});
+  check_anchor_dtype("feedback_cast", anchor, params);
+  Plan plan(params, /*writes=*/false);
+  const float s = static_cast<float>(scale);
+  const int rd = dtype_code(residual.scalar_type()), od = dtype_code(out.scalar_type());
+  const void* a = anchor.data_ptr();
+  void* r = residual.data_ptr();
+  void* o = out.data_ptr();
+  run_groups(
+      "feedback_cast", out, plan,
+      [&](Group& g, int threads) {
+        return dah_feedback_cast_cpu(a, const_cast<const void* const*>(g.ptrs.data()),
+                                     g.numels.data(), g.offsets.data(),
+                                     static_cast<int64_t>(g.ptrs.size()), g.dtype, r, rd, o, od,
+                                     s, threads);
+      },
+      [&](Group& g, void* stream) {
+        return dah_feedback_cast_cuda(a, const_cast<const void* const*>(g.ptrs.data()),
+                                      g.numels.data(), g.offsets.data(),
+                                      static_cast<int64_t>(g.ptrs.size()), g.dtype, r, rd, o,
+                                      od, s, stream);
+      });
+  bump(out);
+  bump(residual);
+}
+
+void apply_delta(const at::Tensor& anchor, const at::Tensor& change,
+                 const std::vector<at::Tensor>& params) {
+  check_args("apply_delta_", params, {&change, &anchor});
+  check_anchor_dtype("apply_delta_", anchor, params);
+  Plan plan(params, /*writes=*/true);
+  const int cd = dtype_code(change.scalar_type());
+  void* a = anchor.data_ptr();
+  const void* c = change.data_ptr();
+  run_groups(
+      "apply_delta_", change, plan,
+      [&](Group& g, int threads) {
+        return dah_apply_delta_cpu(a, c, cd, g.ptrs.data(), g.numels.data(), g.offsets.data(),
+                                   static_cast<int64_t>(g.ptrs.size()), g.dtype, threads);
+      },
+      [&](Group& g, void* stream) {
+        return dah_apply_delta_cuda(a, c, cd, g.ptrs.data(), g.numels.data(), g.offsets.data(),
+                                    static_cast<int64_t>(g.ptrs.size()), g.dtype, stream);
+      });
+  plan.finish_writes(params);
+  bump(anchor);
+}
+
 // ---- blockwise quantization: float32 values, a uint8 payload (see kernels.h) ----
 
 void check_values(const char* op, const at::Tensor& t, const at::Tensor& packed) {
@@ -344,6 +403,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("apply_", &apply, "params <- flat, anchor <- params",
         py::arg("flat"), py::arg("params"), py::arg("anchor") = py::none(), release());
+  m.def("feedback_cast", &feedback_cast,
+        "x = (anchor - cat(params)) * scale + residual; out <- x, residual <- x - out, cast",
+        py::arg("anchor"), py::arg("params"), py::arg("residual"), py::arg("out"),
+        py::arg("scale") = 1.0, release());
+  m.def("apply_delta_", &apply_delta, "params <- anchor - change, anchor <- params",
+        py::arg("anchor"), py::arg("change"), py::arg("params"), release());
   m.def("quantize_blocks", &quantize_blocks,
         "blockwise absmax quantization of x (+ e_in) into packed; e_out <- what it lost",
         py::arg("x"), py::arg("e_in"), py::arg("packed"), py::arg("e_out"), py::arg("bits"),

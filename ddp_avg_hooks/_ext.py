@@ -42,7 +42,7 @@ import torch
 ENV_DISABLE = "DDP_AVG_HOOKS_DISABLE_EXT"
 _NAME = "ddp_avg_hooks_C"
 _PREBUILT = "ddp_avg_hooks._C"  # a module a packaged build may ship
-_CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp", "quantize_cpu.cpp")
+_CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp", "feedback_cpu.cpp", "quantize_cpu.cpp")
 _CUDA_SOURCES = ("kernels_cuda.cu", "quantize_cuda.cu")
 
 

@@ -2,8 +2,9 @@
 
 Two more ops serve hooks that keep no bucket-size float buffer: :func:`feedback_cast`
 (the error-feedback rounding of the change) and :func:`apply_delta_` (write a round's
-averaged change). They run in bounded chunks, in the foreach tier when the extension
-would take the call (their results are the same bits either way).
+averaged change). Outside the extension they run in bounded chunks (no temporary the
+size of the bucket); the extension takes them when the anchor has the parameters'
+dtype.
 
 This module is the only one that knows where the ops come from. Each call is
 validated once, here (``ValueError`` for sizes, layout and devices, ``TypeError`` for
@@ -208,8 +209,14 @@ def apply_(
     _impl(flats, params).apply_(flat, params, anchor)
 
 
-def _chunked_impl(flats: Sequence[torch.Tensor], params: Sequence[torch.Tensor]):
-    return _fallback if _route(flats, params) == "reference" else _FOREACH
+def _feedback_impl(anchor: torch.Tensor, flats: Sequence[torch.Tensor],
+                   params: Sequence[torch.Tensor]) -> ModuleType | SimpleNamespace:
+    """The extension's kernels want the anchor in the parameters' dtype; otherwise the
+    chunked foreach tier (or the reference loop for what foreach cannot take)."""
+    route = _route(flats, params)
+    if route == "extension" and all(p.dtype == anchor.dtype for p in params):
+        return _ext.load_extension()
+    return _fallback if route == "reference" else _FOREACH
 
 
 def _check_same_dtype(t: torch.Tensor, what: str, params, op: str) -> None:
@@ -247,8 +254,8 @@ def feedback_cast(
     params = _as_list(params)
     for t, what in ((anchor, "anchor"), (residual, "residual"), (out, "out")):
         _check_flat(t, params, what, "feedback_cast")
-    _chunked_impl((anchor, residual, out), params).feedback_cast(anchor, params, residual, out,
-                                                                  scale)
+    _feedback_impl(anchor, (anchor, residual, out), params).feedback_cast(
+        anchor, params, residual, out, scale)
     return out
 
 
@@ -261,7 +268,7 @@ def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
     _check_flat(anchor, params, "anchor", "apply_delta_")
     _check_flat(change, params, "change", "apply_delta_")
     _check_same_dtype(anchor, "anchor", params, "apply_delta_")
-    _chunked_impl((anchor, change), params).apply_delta_(anchor, change, params)
+    _feedback_impl(anchor, (anchor, change), params).apply_delta_(anchor, change, params)
 
 
 # ---------------------------------------------------------------- blockwise quantization

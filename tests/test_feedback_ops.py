@@ -11,11 +11,37 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddp_avg_hooks import _fallback, ops
+from ddp_avg_hooks import _ext, _fallback, ops
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 TIERS = {"reference": (_fallback.feedback_cast, _fallback.apply_delta_),
-         "foreach": (_fallback.foreach_feedback_cast, _fallback.foreach_apply_delta_)}
+         "foreach": (_fallback.foreach_feedback_cast, _fallback.foreach_apply_delta_),
+         "ext": None, "ext_scalar": None}  # the extension, with its CPU vector bodies off
+KERNEL_DTYPES = (F32, F16, BF16)
+
+
+@pytest.fixture
+def tier_ops(request, tier):
+    """``(feedback_cast, apply_delta_)`` of one tier; the extension's only for the calls
+    it takes (kernel dtypes, the anchor in the parameters' dtype)."""
+    if TIERS[tier] is not None:
+        yield TIERS[tier]
+        return
+    m = _ext.load_extension()
+    if m is None:
+        pytest.skip("the C++ extension is disabled or could not be built")
+    old = m._cpu_simd(-1)
+    m._cpu_simd(0 if tier == "ext_scalar" else old)
+    try:
+        yield m.feedback_cast, m.apply_delta_
+    finally:
+        m._cpu_simd(old)
+
+
+def _ext_takes(tier, anchor, ps, *flats):
+    if tier.startswith("ext") and not (all(t.dtype in KERNEL_DTYPES for t in (anchor, *ps, *flats))
+                                       and all(p.dtype == anchor.dtype for p in ps)):
+        pytest.skip("the extension takes only kernel dtypes with the anchor in the parameters' dtype")
 
 
 def _params(dtypes):
@@ -61,20 +87,22 @@ def _bits_equal(a, b):
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
 @pytest.mark.parametrize("dtypes,out_dtype,res_dtype", [
     ((F32,) * 4, F16, BF16), ((F32,) * 4, BF16, F32), ((F32, BF16, F32, F16), F16, BF16),
-    ((F64,) * 4, F16, BF16), ((F32,) * 4, F16, F64)])
+    ((F64,) * 4, F16, BF16), ((F32,) * 4, F16, F64), ((BF16,) * 4, F16, BF16),
+    ((F16,) * 4, BF16, F32), ((F32,) * 4, BF16, F16)])
 @pytest.mark.parametrize("scale", [1.0, 1 / 3])
-def test_feedback_cast_matches_the_rule(monkeypatch, tier, chunk, dtypes, out_dtype, res_dtype,
-                                        scale):
+def test_feedback_cast_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dtypes, out_dtype,
+                                        res_dtype, scale):
     monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
     ps = _params(dtypes)
-    anchor_dtype = F64 if F64 in dtypes else F32
+    anchor_dtype = F64 if F64 in dtypes else dtypes[0] if len(set(dtypes)) == 1 else F32
     g = torch.Generator().manual_seed(1)
     anchor = _flat_of(ps, anchor_dtype) + torch.randn(sum(p.numel() for p in ps), generator=g,
                                                       dtype=anchor_dtype) * 1e-2
     residual = (torch.randn(anchor.numel(), generator=g) * 1e-5).to(res_dtype)
     want_out, want_res = _expected_feedback(anchor, ps, residual, out_dtype, scale)
     out = torch.empty(anchor.numel(), dtype=out_dtype)
-    TIERS[tier][0](anchor, ps, residual, out, scale)
+    _ext_takes(tier, anchor, ps, residual, out)
+    tier_ops[0](anchor, ps, residual, out, scale)
     assert _bits_equal(out, want_out)
     assert _bits_equal(residual, want_res)
     assert residual.abs().max() > 0
@@ -84,8 +112,8 @@ def test_feedback_cast_matches_the_rule(monkeypatch, tier, chunk, dtypes, out_dt
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
 @pytest.mark.parametrize("dtypes,change_dtype", [
     ((F32,) * 4, F16), ((F32,) * 4, BF16), ((F32,) * 4, F32), ((BF16,) * 4, F16),
-    ((F64,) * 4, F16), ((F32,) * 4, F64)])
-def test_apply_delta_matches_the_rule(monkeypatch, tier, chunk, dtypes, change_dtype):
+    ((F64,) * 4, F16), ((F32,) * 4, F64), ((F16,) * 4, BF16)])
+def test_apply_delta_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dtypes, change_dtype):
     monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
     ps = _params(dtypes)
     ptrs, strides = [p.data_ptr() for p in ps], [p.stride() for p in ps]
@@ -94,13 +122,40 @@ def test_apply_delta_matches_the_rule(monkeypatch, tier, chunk, dtypes, change_d
     change = (torch.randn(anchor.numel(), generator=g) * 1e-3).to(change_dtype)
     ct = _ct(anchor.dtype, change.dtype, dtypes[0])
     want = (anchor.to(ct) - change.to(ct)).to(dtypes[0])
-    TIERS[tier][1](anchor, change, ps)
+    _ext_takes(tier, anchor, ps, change)
+    tier_ops[1](anchor, change, ps)
     assert _bits_equal(_flat_of(ps, dtypes[0]), want)
     assert _bits_equal(anchor, want)
     assert [p.data_ptr() for p in ps] == ptrs and [p.stride() for p in ps] == strides
 
 
-def test_ops_route_to_the_chunked_tier_and_allocate_little(monkeypatch):
+@pytest.mark.parametrize("tier", ["ext", "ext_scalar"])
+@pytest.mark.parametrize("pd,od,rd", [(F32, F16, BF16), (BF16, BF16, F32)])
+def test_extension_matches_the_foreach_tier_on_a_large_bucket(tier, tier_ops, pd, od, rd):
+    # about 1.2M elements over several parameters: the kernels split it over 2 threads
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(3)
+        ps = [(torch.randn(n, generator=g) * 3).to(pd) for n in (700_001, 3, 500_000)]
+        anchor = _flat_of(ps, pd) + (torch.randn(1_200_004, generator=g) * 1e-2).to(pd)
+        residual = (torch.randn(anchor.numel(), generator=g) * 1e-4).to(rd)
+        outs = []
+        for feedback, apply_delta in (tier_ops, TIERS["foreach"]):
+            qs, a, r = [p.clone() for p in ps], anchor.clone(), residual.clone()
+            o = torch.empty(a.numel(), dtype=od)
+            feedback(a, qs, r, o, 0.5)
+            apply_delta(a, o, qs)
+            outs.append((o, r, a, qs))
+        for got, want in zip(*outs):
+            for x, y in zip(got if isinstance(got, list) else [got],
+                            want if isinstance(want, list) else [want]):
+                assert _bits_equal(x, y)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_ops_allocate_far_less_than_the_bucket(monkeypatch):
     monkeypatch.setattr(_fallback, "_CPU_CHUNK", 1 << 14)
     ps = [torch.randn(512, 512), torch.randn(512)]
     n = sum(p.numel() for p in ps)
@@ -123,3 +178,15 @@ def test_errors_name_the_argument():
         ops.apply_delta_(torch.zeros(4, dtype=F16), torch.zeros(4), ps)
     with pytest.raises(ValueError, match="apply_delta_: change must be a contiguous 1-D"):
         ops.apply_delta_(torch.zeros(4), torch.zeros(2, 2), ps)
+
+
+def test_the_extension_takes_the_calls_its_kernels_can_run():
+    m = _ext.load_extension()
+    if m is None:
+        pytest.skip("the C++ extension is disabled or could not be built")
+    ps = [torch.zeros(4), torch.zeros(2)]
+    anchor, half = torch.zeros(6), torch.zeros(6, dtype=F16)
+    assert ops._feedback_impl(anchor, (anchor, half, half), ps) is m
+    assert ops._feedback_impl(anchor.double(), (anchor.double(), half), ps) is ops._FOREACH
+    mixed = [torch.zeros(4), torch.zeros(2, dtype=BF16)]  # the anchor is not every param's dtype
+    assert ops._feedback_impl(anchor, (anchor, half), mixed) is ops._FOREACH
