@@ -10,7 +10,7 @@
 #   1. environment (GPU, torch, nvcc)
 #   2. `nvcc -c csrc/kernels_cuda.cu` alone
 #   3. JIT build of the extension with CUDA, for this GPU's compute capability only
-#   4. the CUDA tests of tests/test_ops.py (CPU ones too: they are quick)
+#   4. the CUDA tests of tests/test_ops.py and tests/test_feedback_ops.py (CPU ones too)
 #   5. benchmarks/bench_ops.py --device cuda: GB/s of every op vs the device's copy_
 #   6. benchmarks/bench_memory.py --device cuda: peak extra device memory of each hook
 set -euo pipefail
@@ -57,7 +57,7 @@ print("backend:", ops.backend(), "| module:", m.__file__)
 EOF
 
 echo "== 4. tests (CUDA and CPU)"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k "cuda or compile"
+"$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_feedback_ops.py -k "cuda or compile"
 "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py -k "not cuda and not compile" -x
 
 echo "== 5. benchmark on the GPU (GB/s vs copy_ of the same number of fp32 elements)"

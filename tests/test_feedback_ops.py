@@ -190,3 +190,26 @@ def test_the_extension_takes_the_calls_its_kernels_can_run():
     assert ops._feedback_impl(anchor.double(), (anchor.double(), half), ps) is ops._FOREACH
     mixed = [torch.zeros(4), torch.zeros(2, dtype=BF16)]  # the anchor is not every param's dtype
     assert ops._feedback_impl(anchor, (anchor, half), mixed) is ops._FOREACH
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("pd,od,rd", [(F32, F16, BF16), (BF16, BF16, F32), (F16, BF16, F16)])
+def test_cuda_kernels_match_the_cpu_reference(pd, od, rd):
+    m = _ext.load_extension()
+    if m is None or not m.with_cuda():
+        pytest.skip("the extension was not built with CUDA")
+    g = torch.Generator().manual_seed(4)
+    # sizes around the kernels' chunk and vector widths, and one misaligned start
+    ps = [(torch.randn(n, generator=g) * 3).to(pd) for n in (4096, 4097, 1, 70_001)]
+    n = sum(p.numel() for p in ps)
+    anchor = _flat_of(ps, pd) + (torch.randn(n, generator=g) * 1e-2).to(pd)
+    residual = (torch.randn(n, generator=g) * 1e-4).to(rd)
+    change = (torch.randn(n, generator=g) * 1e-3).to(od)
+    want_out, want_res = _expected_feedback(anchor, ps, residual, od, 0.25)
+    want_new = (anchor.float() - change.float()).to(pd)
+    dps = [p.cuda() for p in ps]
+    da, dr, dout = anchor.cuda(), residual.cuda(), torch.empty(n, dtype=od, device="cuda")
+    m.feedback_cast(da, dps, dr, dout, 0.25)
+    assert _bits_equal(dout.cpu(), want_out) and _bits_equal(dr.cpu(), want_res)
+    m.apply_delta_(da, change.cuda(), dps)
+    assert _bits_equal(da.cpu(), want_new) and _bits_equal(_flat_of([p.cpu() for p in dps], pd), want_new)
