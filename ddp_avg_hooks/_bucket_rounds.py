@@ -63,6 +63,12 @@ class BucketRounds:
         self._delta_scale = delta_scale
         self._overlapped = overlapped
         self._result_is_delta = False
+        self._deferred = []
+
+    def _take_deferred(self) -> list:
+        """The calls the hook deferred in this round (see ``defer``); later ones run at once."""
+        deferred, self._deferred = self._deferred or [], None
+        return deferred
 
     @torch.no_grad()
     def _write_back(self, values: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ the unit a hook works on. Buckets are built once, at registration, and never reb
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -94,6 +94,7 @@ class ParamBucket(BucketRounds):
         self._memory: dict[str, torch.Tensor] = {}
         self._launch: torch.Tensor | None = None  # parameters when an overlapped round began
         self._bytes_sent = 0
+        self._deferred: list | None = None  # this round's defer() calls, while the engine runs it
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(self._numel, dtype=self.dtype, device=self.device)
@@ -220,6 +221,23 @@ class ParamBucket(BucketRounds):
         """
         self.anchor()
         self._result_is_delta = True
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` later, on the thread that runs rounds, at a point every rank reaches
+        in the same order: the next ``handle.step()`` (before anything else it does), or
+        when the round is waited for, whichever comes first.
+
+        For a hook's second collective: issued from ``fn``, it waits for the first one
+        a training step later instead of at once, and it cannot overtake another
+        collective (collectives pair by the order each rank issues them). Deferred calls
+        run in bucket order, then in the order they were deferred. The hook's future
+        must complete once ``fn`` has run (an exception in ``fn`` fails the round). A
+        bucket outside a round of the engine (a hook called by hand) runs ``fn`` at once.
+        """
+        if self._deferred is None:
+            fn()
+        else:
+            self._deferred.append(fn)
 
     def new_state(self, dtype: torch.dtype | None = None, *, numel: int | None = None) -> torch.Tensor:
         """Zeros (``numel()`` elements, the bucket's dtype unless given) where this bucket

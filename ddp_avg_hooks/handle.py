@@ -159,6 +159,8 @@ class AveragingHandle:
         ran (or was launched, with ``overlap=True``) at this step.
         """
         self._check_alive("step")
+        if self._in_flight is not None:  # the second phase of hooks that defer one
+            self._engine.run_deferred(self._in_flight)
         fragment = self._plan.due(self._step_count)
         averaging = fragment is not None
         if self._in_flight is not None and (averaging or self._in_flight.done()):

@@ -62,13 +62,15 @@ Where the residual ``e_r`` lives:
 * ``state`` is ``None`` or a ``ProcessGroup``: error feedback on, block size 128, the
   residual in ``bucket.memory()``, which ``handle.state_dict()`` saves.
 
-Collective ordering: as in :func:`.powersgd_hook`, both collectives are issued by the
-caller's thread, in the hook, in bucket order: the hook waits for the all-to-all
-(on gloo the host waits; with NCCL only the stream), reduces and requantizes its piece,
-issues the all-gather and returns; only the dequantization runs in a ``.then`` callback.
-A collective issued from a callback thread could overtake another one issued meanwhile
-on the same group (the next bucket's, a buffer average), in a different order on each
-rank, and gloo and NCCL pair collectives by the order each rank issues them.
+Collective ordering: both collectives are issued by the thread that runs rounds. The hook
+issues the all-to-all and returns; the reduction, the requantization and the all-gather
+are deferred (``bucket.defer``) to the next ``handle.step()``, or to when the round is
+waited for if that comes first: an overlapped round's all-to-all then has a training
+step to finish, and a blocking round's buckets all have their all-to-all in flight
+before the first one is waited for. Only the dequantization runs in a callback. A
+collective issued from a callback thread could overtake another one issued meanwhile on
+the same group (the next bucket's, a buffer average), in a different order on each rank,
+and gloo and NCCL pair collectives by the order each rank issues them.
 """
 
 from __future__ import annotations
@@ -264,27 +266,38 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
     ops.quantize_blocks(delta, bufs.send, layout, residual=residual, residual_out=residual)
     bucket.record_sent(*layout.payload(bufs.send, numel))
-    dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True).wait()
+    exchange = dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True)
+    result = torch.futures.Future()
 
-    # this rank's piece: sum every rank's version, requantize it into the all-gather input.
-    # Only its values inside the bucket (past its end all codes are 0), in the delta's
-    # buffer, which has been read by now.
-    size, start = layout.piece_bytes, rank * layout.piece_elems
-    valid = min(max(numel - start, 0), layout.piece_elems)
-    total = ops.dequantize_blocks(bufs.recv, layout, delta[:valid], sum_pieces=True)
-    mine = bufs.send[rank * size : (rank + 1) * size]
-    ops.quantize_blocks(total, mine, layout.one_piece(),
-                        residual_out=total if residual is not None else None)
-    if residual is not None:  # total now holds T - R: the requantization's loss
-        residual[start : start + valid].add_(total)
-    fut = _all_gather(bufs.send, mine, group).get_future()
+    def reduce_and_gather() -> None:
+        # this rank's piece: sum every rank's version, requantize it into the all-gather
+        # input. Only its values inside the bucket (past its end all codes are 0), in the
+        # delta's buffer, which has been read by now.
+        exchange.wait()
+        size, start = layout.piece_bytes, rank * layout.piece_elems
+        valid = min(max(numel - start, 0), layout.piece_elems)
+        total = ops.dequantize_blocks(bufs.recv, layout, delta[:valid], sum_pieces=True)
+        mine = bufs.send[rank * size : (rank + 1) * size]
+        ops.quantize_blocks(total, mine, layout.one_piece(),
+                            residual_out=total if residual is not None else None)
+        if residual is not None:  # total now holds T - R: the requantization's loss
+            residual[start : start + valid].add_(total)
+        _all_gather(bufs.send, mine, group).get_future().add_done_callback(decompress)
 
-    def _decompress(_fut: torch.futures.Future) -> torch.Tensor:
-        if out.dtype == ct:  # new = anchor - R in one pass
-            return ops.dequantize_blocks(bufs.send, layout, out, base=anchor)
-        return _sub_(anchor, ops.dequantize_blocks(bufs.send, layout, delta), out)
+    def decompress(gathered: torch.futures.Future) -> None:
+        try:
+            gathered.wait()  # raises if the all-gather failed
+            if out.dtype == ct:  # new = anchor - R in one pass
+                value = ops.dequantize_blocks(bufs.send, layout, out, base=anchor)
+            else:
+                value = _sub_(anchor, ops.dequantize_blocks(bufs.send, layout, delta), out)
+        except Exception as exc:
+            result.set_exception(exc)
+        else:
+            result.set_result(value)
 
-    return fut.then(_decompress)
+    bucket.defer(reduce_and_gather)
+    return result
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_prepare_bucket)
