@@ -67,11 +67,14 @@ class AveragingHandle:
 
     With ``overlap=True`` a round is launched at its step and training goes on; the
     result is applied at the first later ``step()`` that finds it complete, at the
-    latest before the next round, as ``params + (averaged - params_at_launch)`` (see
+    latest before the next round (with ``fragments``: before the next round of the
+    same fragment, so rounds of different fragments may be in flight together; with
+    ``verify`` or ``track_consensus``, whose reports are collective, before the next
+    round of any fragment), as ``params + (averaged - params_at_launch)`` (see
     :mod:`ddp_avg_hooks.rounds`), or with ``mixing=alpha`` as ``alpha * params + (1 -
     alpha) * averaged`` (Streaming DiLoCo's merge: ``alpha=0`` drops the steps taken
     while the round was in flight, ``alpha=1`` ignores the round). ``average()``,
-    ``state_dict()`` and ``remove()`` finish a round in flight first.
+    ``state_dict()`` and ``remove()`` finish the rounds in flight first.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -101,7 +104,7 @@ class AveragingHandle:
         self.grad_process_group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
         self._policies, self._reporter = list(policies), Reporter(list(observers))
         self._optimizer_hook = None
-        self._in_flight: PendingRound | None = None
+        self._in_flight: list[PendingRound] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
         self._removed = False
         self.stats = AveragingStats()
@@ -159,12 +162,13 @@ class AveragingHandle:
         ran (or was launched, with ``overlap=True``) at this step.
         """
         self._check_alive("step")
-        if self._in_flight is not None:  # the second phase of hooks that defer one
-            self._engine.run_deferred(self._in_flight)
+        for pending in self._in_flight:  # the second phase of hooks that defer one
+            self._engine.run_deferred(pending)
         fragment = self._plan.due(self._step_count)
         averaging = fragment is not None
-        if self._in_flight is not None and (averaging or self._in_flight.done()):
-            self._finish(self._in_flight)
+        for pending in list(self._in_flight):
+            if pending.done() or (averaging and self._must_finish_before(pending, fragment)):
+                self._finish(pending)
         if averaging:
             self._reporter.report_deferred(self)
             pending = self._launch(overlapped=self._options.overlap, fragment=fragment)
@@ -186,9 +190,16 @@ class AveragingHandle:
         self._finish(self._launch(overlapped=False))
 
     def synchronize(self) -> None:
-        """Finish an overlapped round in flight, if any (waits for it)."""
-        if self._in_flight is not None:
-            self._finish(self._in_flight)
+        """Finish the overlapped rounds in flight, if any (waits for them)."""
+        for pending in list(self._in_flight):
+            self._finish(pending)
+
+    def _must_finish_before(self, pending: PendingRound, fragment: int) -> bool:
+        """Whether an overlapped round in flight must be applied before ``fragment``'s
+        round starts: one of the same fragment, and every one when an observer's report
+        is collective (all ranks must have finished the same rounds when it runs)."""
+        return (pending.fragment == fragment or len(self._engine.fragments) == 1
+                or any(o.collective for o in self._reporter.observers))
 
     # --- one round: the engine runs it, policies and observers hang off it -----------
     def _launch(self, *, overlapped: bool, fragment: int | None = None) -> PendingRound:
@@ -204,7 +215,7 @@ class AveragingHandle:
                                       fragment=fragment, delta_scale=scale)
         self._rounds_started += 1
         if overlapped:
-            self._in_flight = pending
+            self._in_flight.append(pending)
         return pending
 
     def _delta_scale(self, fragment: int, where: str) -> float:
@@ -227,7 +238,7 @@ class AveragingHandle:
         return 1.0 if total <= 0 else world * mine / total
 
     def _finish(self, pending: PendingRound) -> None:
-        self._in_flight = None
+        self._in_flight = [p for p in self._in_flight if p is not pending]
         try:
             finished = self._engine.collect(pending)
         finally:

@@ -61,7 +61,7 @@ class AveragingHookError(RuntimeError):
     """An averaging hook failed or returned something other than the contract says."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class PendingRound:
     """A launched round: the hook's futures and those of the exact extra buckets."""
 
@@ -76,6 +76,7 @@ class PendingRound:
     # (bucket, fn) the hooks deferred (ParamBucket.defer), until RoundEngine.run_deferred
     deferred: list = dataclasses.field(default_factory=list)
     failure: AveragingHookError | None = None  # the first deferred call that raised
+    fragment: int | None = None  # the fragment it averages (None: every bucket)
     bytes_sent: int = 0  # set by collect(), even when a check fails
 
     def done(self) -> bool:
@@ -152,7 +153,7 @@ class RoundEngine:
                 bucket._start_round()
                 extra_futures.append(allreduce_hook(self.exact_group, bucket))
         return PendingRound(futures, list(buckets), extras, extra_futures, started, overlapped,
-                            where, changes, deferred)
+                            where, changes, deferred, fragment=fragment)
 
     def run_deferred(self, pending: PendingRound) -> None:
         """Run the calls the round's hooks deferred (``ParamBucket.defer``), in order.

@@ -80,10 +80,10 @@ def test_overlapped_rounds_run_the_second_phase_at_the_next_step(world1):
         hook.step = s
         handle.step()
         if s == 0:  # launched, second phase not run yet: the round is not done
-            assert handle.stats.rounds == 0 and handle._in_flight is not None
-            assert not handle._in_flight.done()
+            assert handle.stats.rounds == 0 and len(handle._in_flight) == 1
+            assert not handle._in_flight[0].done()
         if s == 1:
-            assert handle.stats.rounds == 1 and handle._in_flight is None
+            assert handle.stats.rounds == 1 and not handle._in_flight
     # launched at steps 0 and 4, second phases at steps 1 and 5, in bucket order
     assert [(e[1], e[2]) for e in hook.log if e[0] == "hook"] == [(0, 0), (1, 0), (0, 4), (1, 4)]
     assert _phase2_steps(hook) == [(0, 1), (1, 1), (0, 5), (1, 5)]

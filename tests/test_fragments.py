@@ -196,3 +196,69 @@ def test_fragments_one_is_the_plain_schedule(world1):
                                      warmup_steps=2, fragments=1)
     assert [ha.step() for _ in range(20)] == [hb.step() for _ in range(20)]
     assert ha.state_dict()["next_round"] == hb.state_dict()["next_round"]
+
+
+def _rank_streaming_int8(rank, world_size):
+    """int8 deltas, fragments=2, a round every step, overlapped: a round's second phase
+    runs at the next step, so the next fragment's round launches while it is in flight.
+    When a fragment's round is applied its anchor is the ranks' mean at launch, within
+    the quantization's error (error feedback keeps it from adding up)."""
+    model = _model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    launches = {}  # bucket index -> [(anchor, every rank's parameters) at each launch]
+    inner = dah.hooks.int8_compress_hook
+    spec = dah.hook_spec(inner)
+
+    @dah.averaging_hook(needs_anchor=True, validate_state=spec.validate_state,
+                        prepare_bucket=spec.prepare_bucket)
+    def spy(state, bucket):
+        mine = bucket.buffer().clone()
+        ranks = [mine.clone() for _ in range(world_size)]
+        dist.all_gather(ranks, mine)  # from the training thread, in bucket order: safe
+        launches.setdefault(bucket.index(), []).append(
+            (bucket.anchor().double().clone(), torch.stack(ranks).double()))
+        return inner(state, bucket)
+
+    handle = dah.register_averaging_hook(ddp, spy, None, period=2, fragments=2, overlap=True)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    tracked, applied, most_in_flight, worst = [], {}, 0, 0.0
+
+    def check(pending):
+        nonlocal worst
+        for b in pending.buckets:
+            k = applied[b.index()] = applied.get(b.index(), -1) + 1
+            anchor_then, ranks = launches[b.index()][k]
+            change = float((anchor_then - ranks).abs().max())  # the largest delta
+            error = float((b.anchor().double() - ranks.mean(0)).abs().max())
+            worst = max(worst, error / max(change, 1e-12))
+
+    for step in range(12):
+        _batch_step(ddp, opt, rank, step)
+        handle.step()
+        most_in_flight = max(most_in_flight, len(handle._in_flight))
+        tracked += [p for p in handle._in_flight if p not in tracked]
+        for pending in [p for p in tracked if p not in handle._in_flight]:
+            check(pending)
+            tracked.remove(pending)
+    handle.synchronize()
+    for pending in tracked:
+        check(pending)
+    anchors = torch.cat([b.anchor() for b in handle.buckets])
+    same = [anchors.clone() for _ in range(world_size)]
+    dist.all_gather(same, anchors.clone())
+    assert all(torch.equal(same[0], s) for s in same)
+    rounds = handle.stats.rounds
+    handle.remove()
+    return most_in_flight, rounds, worst
+
+
+def test_streaming_int8_rounds_overlap_each_other_and_follow_the_mean():
+    results = run_ranks(_rank_streaming_int8, 2)
+    for most_in_flight, rounds, worst in results:
+        assert most_in_flight == 2  # the two fragments' rounds were in flight together
+        assert rounds == 12
+        # the anchor is the launch-time mean up to the int8 rounding of the change: at
+        # most 1/254 of the largest change per rounding, two roundings per round, plus
+        # the residual carried from the last round (about as large again)
+        assert worst < 6 / 254, worst
