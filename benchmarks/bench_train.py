@@ -287,7 +287,8 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
            "'not reached' within twice the budget otherwise; validation is of the ranks' average "
            "model; MB/step = bytes rank 0 handed to collectives per step (wire MB/step: the veth "
            "device's kernel counter, TCP/IP overhead included); comm wait = share of step time "
-           "waiting on communication; local step / none = median step that sent nothing over "
+           "waiting on communication (gradient all-reduces, and the averaging call of every step: "
+           "its rounds, their deferred phases and late write-backs); local step / none = median step that sent nothing over "
            "the median step of `none`; MB to target = bytes rank 0 handed to collectives up to the "
            "first validation at or below the target. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():

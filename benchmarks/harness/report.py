@@ -13,7 +13,8 @@ Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
 - *loss at equal samples*: validation loss at the baseline's last step, and its gap to
   the baseline in percent;
 - *MB/step*: bytes rank 0 handed to collectives, averaged over all steps;
-- *comm wait share*: seconds waiting on communication / training seconds;
+- *comm wait share*: seconds waiting on communication (gradient all-reduces and every
+  step's averaging call) / training seconds;
 - *local-step overhead*: median step time of steps that neither averaged nor sent
   anything, over the median step of the no-communication run (``none``).
 

@@ -675,7 +675,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         slow.after_compute(time.perf_counter() - t0 - grad_wait)  # uneven workers: a sleep
         ta = time.perf_counter()
         averaged = bool(variant.after_step())
-        avg_s = time.perf_counter() - ta if averaged else 0.0
+        avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
         flags = (0.0, 0.0)
         if control:  # inside the step's time: it is a per-step handshake the run would not have
             now = train_s + time.perf_counter() - t0
