@@ -223,16 +223,17 @@ class ParamBucket(BucketRounds):
         self._result_is_delta = True
 
     def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` later, on the thread that runs rounds, at a point every rank reaches
-        in the same order: the next ``handle.step()`` (before anything else it does), or
-        when the round is waited for, whichever comes first.
+        """Run ``fn()`` once every bucket of the round has been launched (each hook
+        called, the policies' exact averages started), on the same thread, in bucket
+        order, before the round is waited for.
 
-        For a hook's second collective: issued from ``fn``, it waits for the first one
-        a training step later instead of at once, and it cannot overtake another
-        collective (collectives pair by the order each rank issues them). Deferred calls
-        run in bucket order, then in the order they were deferred. The hook's future
-        must complete once ``fn`` has run (an exception in ``fn`` fails the round). A
-        bucket outside a round of the engine (a hook called by hand) runs ``fn`` at once.
+        For a hook's second collective, which depends on its first (reduce-scatter, then
+        all-gather): the first collectives of all buckets are then in flight before any
+        is waited for, and ``fn`` may issue the second one without it overtaking another
+        (collectives pair by the order each rank issues them). The hook's future must
+        complete once ``fn`` has run; an exception in ``fn`` fails the round (after the
+        other deferred calls have run). A bucket outside a round of the engine (a hook
+        called by hand) runs ``fn`` at once.
         """
         if self._deferred is None:
             fn()

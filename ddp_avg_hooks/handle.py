@@ -162,8 +162,6 @@ class AveragingHandle:
         ran (or was launched, with ``overlap=True``) at this step.
         """
         self._check_alive("step")
-        for pending in self._in_flight:  # the second phase of hooks that defer one
-            self._engine.run_deferred(pending)
         fragment = self._plan.due(self._step_count)
         averaging = fragment is not None
         for pending in list(self._in_flight):

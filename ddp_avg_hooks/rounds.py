@@ -5,9 +5,9 @@ One round, in order:
 1. **launch**: for each bucket, mark its buffer stale, snapshot the parameters if the
    round overlaps training, call ``hook(state, bucket)``; then average the policies'
    extra buckets (buffers, optimizer state) exactly, beside the hook;
-2. **collect**: run what the hooks deferred (``ParamBucket.defer``; with ``overlap``
-   the handle's next ``step()`` runs it first), wait for every future and check its
-   value against the hook contract
+   and run what the hooks deferred (``ParamBucket.defer``: second phases, once every
+   bucket's first collective is in flight);
+2. **collect**: wait for every future and check its value against the hook contract
    (a floating-point tensor of ``bucket.numel()`` elements, finite with
    ``check_finite``), counting the bytes sent even when a check fails;
 3. **write back**: only once every result is valid, copy the results into the
@@ -73,14 +73,11 @@ class PendingRound:
     overlapped: bool
     where: str
     changes: list[bool]  # per bucket: whether its result is ``anchor - new``
-    # (bucket, fn) the hooks deferred (ParamBucket.defer), until RoundEngine.run_deferred
-    deferred: list = dataclasses.field(default_factory=list)
-    failure: AveragingHookError | None = None  # the first deferred call that raised
     fragment: int | None = None  # the fragment it averages (None: every bucket)
     bytes_sent: int = 0  # set by collect(), even when a check fails
 
     def done(self) -> bool:
-        return not self.deferred and all(f.done() for f in self.futures + self.extra_futures)
+        return all(f.done() for f in self.futures + self.extra_futures)
 
 
 @dataclasses.dataclass
@@ -152,26 +149,25 @@ class RoundEngine:
             for bucket in extras:
                 bucket._start_round()
                 extra_futures.append(allreduce_hook(self.exact_group, bucket))
+            self._run_deferred(deferred, where)
         return PendingRound(futures, list(buckets), extras, extra_futures, started, overlapped,
-                            where, changes, deferred, fragment=fragment)
+                            where, changes, fragment=fragment)
 
-    def run_deferred(self, pending: PendingRound) -> None:
-        """Run the calls the round's hooks deferred (``ParamBucket.defer``), in order.
-
-        All of them run even if one raises (the others' collectives must still be
-        issued); the first failure is kept for :meth:`collect` to raise.
-        """
-        deferred, pending.deferred = pending.deferred, []
-        with record_function("ddp_avg_hooks::round::deferred"):
-            for bucket, fn in deferred:
-                try:
-                    fn()
-                except Exception as exc:
-                    if pending.failure is None:
-                        pending.failure = self.error(
-                            bucket, pending.where,
-                            f"its deferred call raised {type(exc).__name__}: {exc}")
-                        pending.failure.__cause__ = exc
+    def _run_deferred(self, deferred: list, where: str) -> None:
+        """Run the calls the hooks deferred (``ParamBucket.defer``), in order, all of them
+        even if one raises (the others' collectives must still be issued); then raise
+        the first failure."""
+        failure = None
+        for bucket, fn in deferred:
+            try:
+                fn()
+            except Exception as exc:
+                if failure is None:
+                    failure = self.error(bucket, where,
+                                         f"its deferred call raised {type(exc).__name__}: {exc}")
+                    failure.__cause__ = exc
+        if failure is not None:
+            raise failure
 
     def _call_hook(self, bucket: ParamBucket, overlapped: bool, where: str, delta_scale: float):
         bucket._start_round(delta_scale, overlapped=overlapped)
@@ -193,9 +189,6 @@ class RoundEngine:
         """Wait for the round and check every result; raises :class:`AveragingHookError`."""
         wait_start = time.perf_counter()
         try:
-            self.run_deferred(pending)
-            if pending.failure is not None:
-                raise pending.failure
             with record_function("ddp_avg_hooks::round::wait"):
                 results = [self._result(b, f, pending.where)
                            for b, f in zip(pending.buckets, pending.futures)]

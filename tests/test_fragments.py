@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -199,10 +201,10 @@ def test_fragments_one_is_the_plain_schedule(world1):
 
 
 def _rank_streaming_int8(rank, world_size):
-    """int8 deltas, fragments=2, a round every step, overlapped: a round's second phase
-    runs at the next step, so the next fragment's round launches while it is in flight.
-    When a fragment's round is applied its anchor is the ranks' mean at launch, within
-    the quantization's error (error feedback keeps it from adding up)."""
+    """int8 deltas, fragments=2, a round every step, overlapped, each round's result held
+    back 0.3 s: the next fragment's round launches while one is in flight. When a
+    fragment's round is applied its anchor is the ranks' mean at launch, within the
+    quantization's error (error feedback keeps it from adding up)."""
     model = _model()
     ddp = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -218,7 +220,10 @@ def _rank_streaming_int8(rank, world_size):
         dist.all_gather(ranks, mine)  # from the training thread, in bucket order: safe
         launches.setdefault(bucket.index(), []).append(
             (bucket.anchor().double().clone(), torch.stack(ranks).double()))
-        return inner(state, bucket)
+        late = torch.futures.Future()
+        inner(state, bucket).add_done_callback(
+            lambda f: threading.Timer(0.3, late.set_result, args=(f.value(),)).start())
+        return late
 
     handle = dah.register_averaging_hook(ddp, spy, None, period=2, fragments=2, overlap=True)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)

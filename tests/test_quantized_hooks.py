@@ -241,9 +241,9 @@ def test_bytes_do_not_grow_with_world_size(four, bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_collectives_issued_in_order_by_the_calling_thread(four, bits):
-    # the hooks issue the all-to-alls; the collective issued between launch and wait comes
-    # next; the deferred second phases issue the all-gathers when the round is waited for
-    order = ["all_to_all_single"] * 3 + ["all_reduce"] + ["all_gather"] * 3
+    # the hooks issue the all-to-alls; the second phases, deferred until every bucket's
+    # is in flight, the all-gathers; then the collective issued between launch and wait
+    order = ["all_to_all_single"] * 3 + ["all_gather"] * 3 + ["all_reduce"]
     for g in (2, 3, 4):
         seqs = []
         for r in range(g):

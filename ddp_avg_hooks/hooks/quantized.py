@@ -64,13 +64,14 @@ Where the residual ``e_r`` lives:
 
 Collective ordering: both collectives are issued by the thread that runs rounds. The hook
 issues the all-to-all and returns; the reduction, the requantization and the all-gather
-are deferred (``bucket.defer``) to the next ``handle.step()``, or to when the round is
-waited for if that comes first: an overlapped round's all-to-all then has a training
-step to finish, and a blocking round's buckets all have their all-to-all in flight
-before the first one is waited for. Only the dequantization runs in a callback. A
-collective issued from a callback thread could overtake another one issued meanwhile on
-the same group (the next bucket's, a buffer average), in a different order on each rank,
-and gloo and NCCL pair collectives by the order each rank issues them.
+are deferred (``bucket.defer``) until every bucket's all-to-all is in flight, so a
+round of several buckets waits for the first one while the others travel. Only the
+dequantization runs in a callback. A collective issued from a callback thread could
+overtake another one issued meanwhile on the same group (the next bucket's, a buffer
+average), in a different order on each rank, and gloo and NCCL pair collectives by the
+order each rank issues them. (Deferring the second phase to the next training step
+would hide the all-to-all's wait behind a step of compute, but it makes an overlapped
+round a step staler, which costs more loss than the wait costs time.)
 """
 
 from __future__ import annotations
