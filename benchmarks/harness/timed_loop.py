@@ -32,7 +32,9 @@ import torch.nn.functional as F
 # variant -> (dah hook attribute, weighting)
 TIMED = {"allreduce_timed": ("allreduce_hook", "steps"),
          "fp16_timed": ("fp16_compress_hook", "steps"),
-         "allreduce_timed_equal": ("allreduce_hook", "equal")}
+         "allreduce_timed_equal": ("allreduce_hook", "equal"),
+         # the same with overlap=True: a rank that enters a round first trains on
+         "fp16_timed_overlap": ("fp16_compress_hook", "steps")}
 
 
 def add_args(p) -> None:
@@ -118,6 +120,7 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
                 if stop.item() > 0:
                     stopped_by = "stop_at_loss"
                     break
+    handle.synchronize()  # overlap: the last round in flight is applied before the final score
     wire1 = read_wire(wire_if)
     if not (evals and evals[-1]["round"] == handle.rounds_started and evals[-1]["step"] == i):
         validate(i)
