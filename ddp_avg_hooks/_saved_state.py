@@ -1,6 +1,9 @@
-"""Checking a saved :meth:`AveragingHandle.state_dict` against the handle loading it."""
+"""An :class:`AveragingHandle`'s checkpoint: what ``state_dict()`` saves, and the checks
+a saved one must pass against the handle loading it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 
 def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str = "here") -> str:
@@ -57,3 +60,62 @@ def check_matches(state_dict: dict, config: dict, buckets, saved: list, hook_sta
             + ("has no hook state but this hook's state needs one"
                if has_hook_state else "has a hook state but this hook's state takes none")
         )
+
+
+class HandleCheckpointing:
+    """``AveragingHandle``'s checkpoint calls: what it saves, what it checks on loading."""
+
+    def config(self) -> dict:
+        """What every rank, and a checkpoint being loaded, must agree on."""
+        return {
+            "hook": self._engine.name,
+            "period": self._schedule.describe(),
+            "warmup_steps": self._warmup_steps,
+            "overlap": self._options.overlap,
+            "fragments": len(self._engine.fragments),
+            "layout": [b._layout() for b in self._engine.buckets],
+        }
+
+    def state_dict(self) -> dict:
+        """This rank's averaging state: counter, anchors, hook state, stats, config.
+
+        Tensors and plain values only, so ``torch.save`` takes it; it differs between
+        ranks (error feedback, local progress), so save one per rank.
+        """
+        self._check_alive("state_dict")
+        self.synchronize()
+        saved = [b._state_dict() for b in self._engine.buckets]
+        out = {
+            "step_count": self._step_count,
+            "next_round": min(self._plan.next_rounds),
+            "plan": self._plan.state_dict(),
+            "config": self.config(),
+            "schedule": self._schedule.state_dict(),
+            "anchors": [s["anchor"] for s in saved],
+            "bucket_memory": [s["memory"] for s in saved],
+            "stats": dataclasses.asdict(self.stats),
+        }
+        if hasattr(self.state, "state_dict"):
+            out["hook_state"] = self.state.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved (on this rank, into a fresh handle).
+
+        Raises ``ValueError`` naming the first difference when the checkpoint was made
+        with another hook, period, warm-up or bucket layout; nothing is changed then.
+        """
+        self._check_alive("load_state_dict")
+        check_checkpoint(state_dict)
+        self.synchronize()
+        saved = bucket_entries(state_dict)
+        check_matches(state_dict, self.config(), self._engine.buckets, saved, self.state)
+        if hasattr(self.state, "load_state_dict"):
+            self.state.load_state_dict(state_dict["hook_state"])
+        self._schedule.load_state_dict(state_dict["schedule"])
+        for bucket, entry in zip(self._engine.buckets, saved):
+            bucket._load_state_dict(entry)
+        self.stats = type(self.stats)(**state_dict["stats"])
+        self._step_count = int(state_dict["step_count"])
+        self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
+        self._plan.load_state_dict(state_dict.get("plan") or plan_before_fragments(state_dict))
