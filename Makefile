@@ -44,7 +44,7 @@ bench: ext
 	  --title "Hierarchical averaging, 2 nodes x 2 ranks, 100 Mbit/s between the nodes"
 	for seed in 0 1; do \
 	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter,loopback+slow-rank --seed $$seed \
-	    --variants ddp,allreduce,fp16,allreduce_timed,fp16_timed,allreduce_timed_equal \
+	    --variants ddp,allreduce,fp16,allreduce_timed,fp16_timed,allreduce_timed_equal,fp16_timed_overlap,fp16_timed_equal_overlap \
 	    --out benchmarks/results/uneven_seed$$seed \
 	    --title "Uneven workers (jitter; one rank 1.5x slower by a CPU quota), step-based period 8 vs time-based rounds, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter --seed $$seed \

@@ -31,8 +31,8 @@ Uneven workers (``harness/uneven.py``): a profile ``<network>+jitter`` or
 with each mode) runs the same variants with a per-step random slowdown (a sleep) or one
 rank held at 1/1.5 of a CPU by a cgroup CPU quota; its table adds each rank's steps,
 mean step and compute time and each rank's idle share. The time-based variants
-(``allreduce_timed``, ``fp16_timed``, ``allreduce_timed_equal``, ``fp16_timed_overlap``:
-``schedules.EverySeconds``, the last with ``overlap=True``,
+(``allreduce_timed``, ``fp16_timed``, ``allreduce_timed_equal``, ``fp16_timed_overlap``,
+``fp16_timed_equal_overlap``: ``schedules.EverySeconds``, the last two with ``overlap=True``,
 ``harness/timed_loop.py``) round every ``--round-seconds`` (default: the seconds per round
 of ``allreduce`` at ``--period`` in the same profile), for as many rounds as ``--period``
 makes in the step budget.
@@ -70,7 +70,8 @@ DILOCO_PERIOD = 32
 HIERARCHICAL = "hierarchical"
 BUDGET_1X = {"none", "ddp"}
 # rounds every --round-seconds (not in the default run; see --uneven)
-TIMED_VARIANTS = ["allreduce_timed", "fp16_timed", "allreduce_timed_equal", "fp16_timed_overlap"]
+TIMED_VARIANTS = ["allreduce_timed", "fp16_timed", "allreduce_timed_equal", "fp16_timed_overlap",
+                  "fp16_timed_equal_overlap"]
 
 
 def _columnar(run: dict) -> dict:

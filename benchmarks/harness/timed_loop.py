@@ -33,8 +33,10 @@ import torch.nn.functional as F
 TIMED = {"allreduce_timed": ("allreduce_hook", "steps"),
          "fp16_timed": ("fp16_compress_hook", "steps"),
          "allreduce_timed_equal": ("allreduce_hook", "equal"),
-         # the same with overlap=True: a rank that enters a round first trains on
-         "fp16_timed_overlap": ("fp16_compress_hook", "steps")}
+         # the same with overlap=True: a rank that enters a round first trains on (with
+         # weights by steps it still waits for the others' step counts at the round)
+         "fp16_timed_overlap": ("fp16_compress_hook", "steps"),
+         "fp16_timed_equal_overlap": ("fp16_compress_hook", "equal")}
 
 
 def add_args(p) -> None:

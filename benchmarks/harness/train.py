@@ -329,8 +329,10 @@ OURS = {
     "fp16_timed": ("fp16_compress_hook", lambda dah, args: None),
     "allreduce_timed_equal": ("allreduce_hook", lambda dah, args: None),
     "fp16_timed_overlap": ("fp16_compress_hook", lambda dah, args: None),
+    "fp16_timed_equal_overlap": ("fp16_compress_hook", lambda dah, args: None),
 }
-TIMED = {"allreduce_timed", "fp16_timed", "allreduce_timed_equal", "fp16_timed_overlap"}
+TIMED = {"allreduce_timed", "fp16_timed", "allreduce_timed_equal", "fp16_timed_overlap",
+         "fp16_timed_equal_overlap"}
 # the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
 DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook",
                 "diloco_streaming": "allreduce_hook"}
