@@ -135,6 +135,17 @@ inline bool dispatch(int dtype, Fn&& f) {
   }
 }
 
+// f(A{}, B{}) / f(A{}, B{}, C{}) for two / three dtype codes (host only); f is not
+// called if a code is unknown.
+template <class Fn>
+inline void dispatch2(int a, int b, Fn&& f) {
+  dispatch(a, [&](auto A) { dispatch(b, [&](auto B) { f(A, B); }); });
+}
+template <class Fn>
+inline void dispatch3(int a, int b, int c, Fn&& f) {
+  dispatch(a, [&](auto A) { dispatch2(b, c, [&](auto B, auto C) { f(A, B, C); }); });
+}
+
 }  // namespace dah
 
 #endif  // DDP_AVG_HOOKS_DTYPES_H_

@@ -17,7 +17,8 @@
 
 namespace {
 
-using dah::dispatch;
+using dah::dispatch2;
+using dah::dispatch3;
 using dah::cpu::at;
 using dah::cpu::CPtr;
 using dah::cpu::for_segments;
@@ -102,18 +103,14 @@ int dah_feedback_cast_cpu(const void* anchor, const void* const* params, const i
                           int residual_dtype, void* out, int out_dtype, float scale,
                           int num_threads) {
   int rc = DAH_EDTYPE;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(residual_dtype, [&](auto R) {
-      dispatch(out_dtype, [&](auto O) {
-        using PT = decltype(P);
-        using RT = decltype(R);
-        using OT = decltype(O);
-        rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-          const int64_t f = offsets[i] + b;
-          feedback_loop<PT, RT, OT>(at<PT>(anchor, f), at<PT>(params[i], b),
-                                    at<RT>(residual, f), at<OT>(out, f), e - b, scale);
-        });
-      });
+  dispatch3(param_dtype, residual_dtype, out_dtype, [&](auto P, auto R, auto O) {
+    using PT = decltype(P);
+    using RT = decltype(R);
+    using OT = decltype(O);
+    rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+      const int64_t f = offsets[i] + b;
+      feedback_loop<PT, RT, OT>(at<PT>(anchor, f), at<PT>(params[i], b),
+                                at<RT>(residual, f), at<OT>(out, f), e - b, scale);
     });
   });
   return rc;
@@ -123,15 +120,13 @@ int dah_apply_delta_cpu(void* anchor, const void* change, int change_dtype, void
                         const int64_t* numels, const int64_t* offsets, int64_t n,
                         int param_dtype, int num_threads) {
   int rc = DAH_EDTYPE;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(change_dtype, [&](auto C) {
-      using PT = decltype(P);
-      using CT = decltype(C);
-      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-        const int64_t f = offsets[i] + b;
-        apply_delta_loop<PT, CT>(at<PT>(anchor, f), at<CT>(change, f), at<PT>(params[i], b),
-                                 e - b);
-      });
+  dispatch2(param_dtype, change_dtype, [&](auto P, auto C) {
+    using PT = decltype(P);
+    using CT = decltype(C);
+    rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+      const int64_t f = offsets[i] + b;
+      apply_delta_loop<PT, CT>(at<PT>(anchor, f), at<CT>(change, f), at<PT>(params[i], b),
+                               e - b);
     });
   });
   return rc;

@@ -23,7 +23,8 @@ namespace {
 using dah::BF16;
 using dah::F16;
 using dah::F32;
-using dah::dispatch;
+using dah::dispatch2;
+using dah::dispatch3;
 using dah::cpu::CPtr;
 using dah::cpu::Ptr;
 using dah::cpu::at;
@@ -166,16 +167,14 @@ int dah_flatten_cpu(const void* const* params, const int64_t* numels, const int6
                     int64_t n, int param_dtype, void* flat, int flat_dtype, int has_scale,
                     float scale, int num_threads) {
   int rc = DAH_EDTYPE;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(flat_dtype, [&](auto A) {
-      using PT = decltype(P);
-      using AT = decltype(A);
-      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-        const auto* p = at<PT>(params[i], b);
-        auto* a = at<AT>(flat, offsets[i] + b);
-        if (has_scale) flatten_loop<PT, AT, true>(p, a, e - b, scale);
-        else flatten_loop<PT, AT, false>(p, a, e - b, scale);
-      });
+  dispatch2(param_dtype, flat_dtype, [&](auto P, auto A) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+      const auto* p = at<PT>(params[i], b);
+      auto* a = at<AT>(flat, offsets[i] + b);
+      if (has_scale) flatten_loop<PT, AT, true>(p, a, e - b, scale);
+      else flatten_loop<PT, AT, false>(p, a, e - b, scale);
     });
   });
   return rc;
@@ -185,13 +184,11 @@ int dah_unflatten_cpu(const void* flat, int flat_dtype, void* const* params,
                       const int64_t* numels, const int64_t* offsets, int64_t n,
                       int param_dtype, int num_threads) {
   int rc = DAH_EDTYPE;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(flat_dtype, [&](auto A) {
-      using PT = decltype(P);
-      using AT = decltype(A);
-      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-        copy_loop<PT, AT>(at<AT>(flat, offsets[i] + b), at<PT>(params[i], b), e - b);
-      });
+  dispatch2(param_dtype, flat_dtype, [&](auto P, auto A) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+      copy_loop<PT, AT>(at<AT>(flat, offsets[i] + b), at<PT>(params[i], b), e - b);
     });
   });
   return rc;
@@ -201,17 +198,13 @@ int dah_delta_cpu(const void* anchor, int anchor_dtype, const void* const* param
                   const int64_t* numels, const int64_t* offsets, int64_t n, int param_dtype,
                   void* out, int out_dtype, float scale, int num_threads) {
   int rc = DAH_EDTYPE;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(anchor_dtype, [&](auto A) {
-      dispatch(out_dtype, [&](auto O) {
-        using PT = decltype(P);
-        using AT = decltype(A);
-        using OT = decltype(O);
-        rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-          delta_loop<PT, AT, OT>(at<AT>(anchor, offsets[i] + b), at<PT>(params[i], b),
-                                 at<OT>(out, offsets[i] + b), e - b, scale);
-        });
-      });
+  dispatch3(param_dtype, anchor_dtype, out_dtype, [&](auto P, auto A, auto O) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    using OT = decltype(O);
+    rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+      delta_loop<PT, AT, OT>(at<AT>(anchor, offsets[i] + b), at<PT>(params[i], b),
+                             at<OT>(out, offsets[i] + b), e - b, scale);
     });
   });
   return rc;
@@ -221,16 +214,14 @@ int dah_apply_cpu(const void* flat, int flat_dtype, void* const* params, const i
                   const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
                   int num_threads) {
   int rc = DAH_EDTYPE;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(flat_dtype, [&](auto A) {
-      using PT = decltype(P);
-      using AT = decltype(A);
-      rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
-        const auto* a = at<AT>(flat, offsets[i] + b);
-        auto* p = at<PT>(params[i], b);
-        if (anchor != nullptr) apply_loop<PT, AT>(a, p, at<PT>(anchor, offsets[i] + b), e - b);
-        else copy_loop<PT, AT>(a, p, e - b);
-      });
+  dispatch2(param_dtype, flat_dtype, [&](auto P, auto A) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
+      const auto* a = at<AT>(flat, offsets[i] + b);
+      auto* p = at<PT>(params[i], b);
+      if (anchor != nullptr) apply_loop<PT, AT>(a, p, at<PT>(anchor, offsets[i] + b), e - b);
+      else copy_loop<PT, AT>(a, p, e - b);
     });
   });
   return rc;

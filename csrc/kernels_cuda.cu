@@ -40,7 +40,8 @@ using dah::BF16;
 using dah::F16;
 using dah::F32;
 using dah::convert;
-using dah::dispatch;
+using dah::dispatch2;
+using dah::dispatch3;
 
 template <class T, int N>
 struct alignas(sizeof(T) * N) Vec {
@@ -201,17 +202,15 @@ int dah_flatten_cuda(const void* const* params, const int64_t* numels, const int
                      float scale, void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
   void* const* ps = const_cast<void* const*>(params);  // read only in kFlatten
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(flat_dtype, [&](auto A) {
-      using PT = decltype(P);
-      using AT = decltype(A);
-      auto st = static_cast<cudaStream_t>(stream);
-      err = has_scale
-                ? launch_list<kFlatten, PT, AT, F32, true>(ps, numels, offsets, n, flat,
-                                                           nullptr, scale, st)
-                : launch_list<kFlatten, PT, AT, F32, false>(ps, numels, offsets, n, flat,
-                                                            nullptr, scale, st);
-    });
+  dispatch2(param_dtype, flat_dtype, [&](auto P, auto A) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    auto st = static_cast<cudaStream_t>(stream);
+    err = has_scale
+              ? launch_list<kFlatten, PT, AT, F32, true>(ps, numels, offsets, n, flat,
+                                                         nullptr, scale, st)
+              : launch_list<kFlatten, PT, AT, F32, false>(ps, numels, offsets, n, flat,
+                                                          nullptr, scale, st);
   });
   return static_cast<int>(err);
 }
@@ -220,14 +219,12 @@ int dah_unflatten_cuda(const void* flat, int flat_dtype, void* const* params,
                        const int64_t* numels, const int64_t* offsets, int64_t n,
                        int param_dtype, void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(flat_dtype, [&](auto A) {
-      using PT = decltype(P);
-      using AT = decltype(A);
-      err = launch_list<kUnflatten, PT, AT, F32, false>(
-          params, numels, offsets, n, const_cast<void*>(flat), nullptr, 1.0f,
-          static_cast<cudaStream_t>(stream));
-    });
+  dispatch2(param_dtype, flat_dtype, [&](auto P, auto A) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    err = launch_list<kUnflatten, PT, AT, F32, false>(
+        params, numels, offsets, n, const_cast<void*>(flat), nullptr, 1.0f,
+        static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
@@ -237,17 +234,13 @@ int dah_delta_cuda(const void* anchor, int anchor_dtype, const void* const* para
                    void* out, int out_dtype, float scale, void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
   void* const* ps = const_cast<void* const*>(params);  // read only in kDelta
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(anchor_dtype, [&](auto B) {
-      dispatch(out_dtype, [&](auto A) {
-        using PT = decltype(P);
-        using BT = decltype(B);
-        using AT = decltype(A);
-        err = launch_list<kDelta, PT, AT, BT, true>(ps, numels, offsets, n, out,
-                                                    const_cast<void*>(anchor), scale,
-                                                    static_cast<cudaStream_t>(stream));
-      });
-    });
+  dispatch3(param_dtype, anchor_dtype, out_dtype, [&](auto P, auto B, auto A) {
+    using PT = decltype(P);
+    using BT = decltype(B);
+    using AT = decltype(A);
+    err = launch_list<kDelta, PT, AT, BT, true>(ps, numels, offsets, n, out,
+                                                const_cast<void*>(anchor), scale,
+                                                static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
@@ -256,14 +249,12 @@ int dah_apply_cuda(const void* flat, int flat_dtype, void* const* params, const 
                    const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
                    void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(flat_dtype, [&](auto A) {
-      using PT = decltype(P);
-      using AT = decltype(A);
-      err = launch_list<kApply, PT, AT, PT, false>(params, numels, offsets, n,
-                                                   const_cast<void*>(flat), anchor, 1.0f,
-                                                   static_cast<cudaStream_t>(stream));
-    });
+  dispatch2(param_dtype, flat_dtype, [&](auto P, auto A) {
+    using PT = decltype(P);
+    using AT = decltype(A);
+    err = launch_list<kApply, PT, AT, PT, false>(params, numels, offsets, n,
+                                                 const_cast<void*>(flat), anchor, 1.0f,
+                                                 static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
@@ -274,17 +265,13 @@ int dah_feedback_cast_cuda(const void* anchor, const void* const* params, const 
                            void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
   void* const* ps = const_cast<void* const*>(params);  // read only in kFeedback
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(residual_dtype, [&](auto R) {
-      dispatch(out_dtype, [&](auto O) {
-        using PT = decltype(P);
-        using RT = decltype(R);
-        using OT = decltype(O);
-        err = launch_list<kFeedback, PT, OT, PT, true, RT>(
-            ps, numels, offsets, n, out, const_cast<void*>(anchor), scale,
-            static_cast<cudaStream_t>(stream), residual);
-      });
-    });
+  dispatch3(param_dtype, residual_dtype, out_dtype, [&](auto P, auto R, auto O) {
+    using PT = decltype(P);
+    using RT = decltype(R);
+    using OT = decltype(O);
+    err = launch_list<kFeedback, PT, OT, PT, true, RT>(
+        ps, numels, offsets, n, out, const_cast<void*>(anchor), scale,
+        static_cast<cudaStream_t>(stream), residual);
   });
   return static_cast<int>(err);
 }
@@ -293,14 +280,12 @@ int dah_apply_delta_cuda(void* anchor, const void* change, int change_dtype, voi
                          const int64_t* numels, const int64_t* offsets, int64_t n,
                          int param_dtype, void* stream) {
   cudaError_t err = cudaErrorInvalidValue;
-  dispatch(param_dtype, [&](auto P) {
-    dispatch(change_dtype, [&](auto C) {
-      using PT = decltype(P);
-      using CT = decltype(C);
-      err = launch_list<kApplyDelta, PT, CT, PT, false>(params, numels, offsets, n,
-                                                        const_cast<void*>(change), anchor, 1.0f,
-                                                        static_cast<cudaStream_t>(stream));
-    });
+  dispatch2(param_dtype, change_dtype, [&](auto P, auto C) {
+    using PT = decltype(P);
+    using CT = decltype(C);
+    err = launch_list<kApplyDelta, PT, CT, PT, false>(params, numels, offsets, n,
+                                                      const_cast<void*>(change), anchor, 1.0f,
+                                                      static_cast<cudaStream_t>(stream));
   });
   return static_cast<int>(err);
 }
