@@ -29,6 +29,13 @@ inline bool cpu_has_avx2() {
   return has;
 }
 
+// Whether the vector bodies run (where the CPU has them); dah_cpu_simd(0) turns them off
+// to test the scalar code. One switch for every kernel that includes this header.
+inline bool& simd_on() {
+  static bool on = cpu_has_avx2();
+  return on;
+}
+
 // 8 elements <-> 8 floats in a __m256, rounding exactly like dtypes.h's scalar versions
 // (the F16C instructions are what torch's own vectorized CPU copy uses).
 template <class D>

@@ -7,7 +7,8 @@
 // change once and writes the parameters and the anchor once. The float32 operations
 // are those of ddp_avg_hooks/_fallback.py in the same order, never fused (no FMA), so
 // the results are the same bits; AVX2/F16C bodies 8 elements at a time where the CPU
-// has them (switched with dah_cpu_simd), the scalar conversions of dtypes.h elsewhere.
+// has them (cpu_loops.h's switch, which dah_cpu_simd sets), the scalar conversions of
+// dtypes.h elsewhere.
 
 #include "kernels.h"
 #include "cpu_loops.h"
@@ -26,7 +27,7 @@ using dah::cpu::Ptr;
 
 #ifdef DAH_X86_AVX2
 using dah::cpu::V8;
-bool kAvx2 = dah::cpu::cpu_has_avx2();
+using dah::cpu::simd_on;
 
 template <class P, class R, class O>
 DAH_AVX2 int64_t feedback_avx2(const typename P::T* __restrict a,
@@ -60,7 +61,7 @@ template <class P, class R, class O>
 void feedback_loop(CPtr<P> a, CPtr<P> p, Ptr<R> r, Ptr<O> o, int64_t n, float s) {
   int64_t j = 0;
 #ifdef DAH_X86_AVX2
-  if (kAvx2) j = feedback_avx2<P, R, O>(a, p, r, o, n, s);
+  if (simd_on()) j = feedback_avx2<P, R, O>(a, p, r, o, n, s);
 #endif
   for (; j < n; ++j) {
     const float x = (P::load(a[j]) - P::load(p[j])) * s + R::load(r[j]);
@@ -75,7 +76,7 @@ template <class P, class C>
 void apply_delta_loop(Ptr<P> a, CPtr<C> c, Ptr<P> p, int64_t n) {
   int64_t j = 0;
 #ifdef DAH_X86_AVX2
-  if (kAvx2) j = apply_delta_avx2<P, C>(a, c, p, n);
+  if (simd_on()) j = apply_delta_avx2<P, C>(a, c, p, n);
 #endif
   for (; j < n; ++j) {
     const typename P::T v = P::store(P::load(a[j]) - C::load(c[j]));
@@ -87,16 +88,6 @@ void apply_delta_loop(Ptr<P> a, CPtr<C> c, Ptr<P> p, int64_t n) {
 }  // namespace
 
 extern "C" {
-
-int dah_feedback_simd(int mode) {
-#ifdef DAH_X86_AVX2
-  if (mode >= 0) kAvx2 = dah::cpu::cpu_has_avx2() && mode > 0;
-  return kAvx2 ? 1 : 0;
-#else
-  (void)mode;
-  return 0;
-#endif
-}
 
 int dah_feedback_cast_cpu(const void* anchor, const void* const* params, const int64_t* numels,
                           const int64_t* offsets, int64_t n, int param_dtype, void* residual,

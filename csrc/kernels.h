@@ -76,9 +76,7 @@ int dah_feedback_cast_cpu(const void* anchor, const void* const* params, const i
 int dah_apply_delta_cpu(void* anchor, const void* change, int change_dtype, void* const* params,
                         const int64_t* numels, const int64_t* offsets, int64_t n,
                         int param_dtype, int num_threads);
-/* the vector bodies of the error-feedback and quantization kernels (dah_cpu_simd switches
- * them too) */
-int dah_feedback_simd(int mode);
+/* the vector bodies of the quantization kernels (dah_cpu_simd switches them too) */
 int dah_quantize_simd(int mode);
 int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
                      int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,

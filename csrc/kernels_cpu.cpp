@@ -31,11 +31,7 @@ using dah::cpu::at;
 using dah::cpu::for_segments;
 #ifdef DAH_X86_AVX2
 using dah::cpu::V8;
-#endif
-
-#ifdef DAH_X86_AVX2
-const bool kHasAvx2 = dah::cpu::cpu_has_avx2();
-bool kAvx2 = kHasAvx2;  // dah_cpu_simd(0) turns the vector bodies off (tests the scalar code)
+using dah::cpu::simd_on;
 
 // The vector bodies: each handles the first n - n % 8 elements and returns that count.
 template <class P, class A, bool kScale>
@@ -91,7 +87,7 @@ void flatten_loop(CPtr<P> p, Ptr<A> a, int64_t n, float s) {
   } else {
     int64_t j = 0;
 #ifdef DAH_X86_AVX2
-    if (kAvx2) j = flatten_avx2<P, A, kScale>(p, a, n, s);
+    if (simd_on()) j = flatten_avx2<P, A, kScale>(p, a, n, s);
 #endif
     for (; j < n; ++j) {
       float x = P::load(p[j]);
@@ -108,7 +104,7 @@ void copy_loop(CPtr<A> a, Ptr<P> p, int64_t n) {
   } else {
     int64_t j = 0;
 #ifdef DAH_X86_AVX2
-    if (kAvx2) j = copy_avx2<P, A>(a, p, n);
+    if (simd_on()) j = copy_avx2<P, A>(a, p, n);
 #endif
     for (; j < n; ++j) p[j] = P::store(A::load(a[j]));
   }
@@ -118,7 +114,7 @@ template <class P, class A, class O>
 void delta_loop(CPtr<A> a, CPtr<P> p, Ptr<O> o, int64_t n, float s) {
   int64_t j = 0;
 #ifdef DAH_X86_AVX2
-  if (kAvx2) j = delta_avx2<P, A, O>(a, p, o, n, s);
+  if (simd_on()) j = delta_avx2<P, A, O>(a, p, o, n, s);
 #endif
   for (; j < n; ++j) o[j] = O::store((A::load(a[j]) - P::load(p[j])) * s);
 }
@@ -136,7 +132,7 @@ void apply_loop(CPtr<A> a, Ptr<P> p, Ptr<P> anchor, int64_t n) {
   } else {
     int64_t j = 0;
 #ifdef DAH_X86_AVX2
-    if (kAvx2) j = apply_avx2<P, A>(a, p, anchor, n);
+    if (simd_on()) j = apply_avx2<P, A>(a, p, anchor, n);
 #endif
     for (; j < n; ++j) {
       const typename P::T v = P::store(A::load(a[j]));
@@ -153,10 +149,9 @@ extern "C" {
 
 int dah_cpu_simd(int mode) {
   dah_quantize_simd(mode);
-  dah_feedback_simd(mode);
 #ifdef DAH_X86_AVX2
-  if (mode >= 0) kAvx2 = kHasAvx2 && mode > 0;
-  return kAvx2 ? 1 : 0;
+  if (mode >= 0) simd_on() = dah::cpu::cpu_has_avx2() && mode > 0;
+  return simd_on() ? 1 : 0;
 #else
   (void)mode;
   return 0;

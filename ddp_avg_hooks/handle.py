@@ -194,10 +194,10 @@ class AveragingHandle(HandleCheckpointing):
 
     def _must_finish_before(self, pending: PendingRound, fragment: int) -> bool:
         """Whether an overlapped round in flight must be applied before ``fragment``'s
-        round starts: one of the same fragment, and every one when an observer's report
-        is collective (all ranks must have finished the same rounds when it runs)."""
-        return (pending.fragment == fragment or len(self._engine.fragments) == 1
-                or any(o.collective for o in self._reporter.observers))
+        round starts: one of the same fragment (with ``fragments=1``, every one), and
+        every one when an observer's report is collective (all ranks must have finished
+        the same rounds when it runs)."""
+        return pending.fragment == fragment or any(o.collective for o in self._reporter.observers)
 
     # --- one round: the engine runs it, policies and observers hang off it -----------
     def _launch(self, *, overlapped: bool, fragment: int | None = None) -> PendingRound:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .bucket import ParamBucket
+from .bucket import ParamBucket, split_like
 
 
 class OffloadedBucket(ParamBucket):
@@ -97,8 +97,10 @@ class OffloadedBucket(ParamBucket):
 
     @torch.no_grad()
     def _reset_anchor(self) -> None:
+        # parameter by parameter into views of the host anchor: no device copy of the bucket
         if self._anchor is not None:
-            self._anchor.copy_(ops.flatten(self._params, self._empty()))
+            for a, p in zip(split_like(self._anchor, self._params), self._params):
+                a.copy_(p)
 
     def _load_state_dict(self, saved: dict) -> None:
         self._staged = None
