@@ -52,6 +52,7 @@ import time
 import torch
 
 from harness import launch, netns, report, uneven
+from harness.timed_loop import TIMED
 from harness.train import split_available
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,8 +71,7 @@ DILOCO_PERIOD = 32
 HIERARCHICAL = "hierarchical"
 BUDGET_1X = {"none", "ddp"}
 # rounds every --round-seconds (not in the default run; see --uneven)
-TIMED_VARIANTS = ["allreduce_timed", "fp16_timed", "allreduce_timed_equal", "fp16_timed_overlap",
-                  "fp16_timed_equal_overlap"]
+TIMED_VARIANTS = list(TIMED)
 
 
 def _columnar(run: dict) -> dict:

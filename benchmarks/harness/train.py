@@ -323,16 +323,12 @@ OURS = {
     "diloco_streaming": ("outer_optimizer", _outer_state),
     # exact rounds inside each node every --intra-period steps, across all every --period
     "hierarchical": ("allreduce_hook", lambda dah, args: None),
-    # rounds every --round-seconds on each rank's clock (schedules.EverySeconds), in the
-    # loop of timed_loop.py: ranks take different step counts
-    "allreduce_timed": ("allreduce_hook", lambda dah, args: None),
-    "fp16_timed": ("fp16_compress_hook", lambda dah, args: None),
-    "allreduce_timed_equal": ("allreduce_hook", lambda dah, args: None),
-    "fp16_timed_overlap": ("fp16_compress_hook", lambda dah, args: None),
-    "fp16_timed_equal_overlap": ("fp16_compress_hook", lambda dah, args: None),
 }
-TIMED = {"allreduce_timed", "fp16_timed", "allreduce_timed_equal", "fp16_timed_overlap",
-         "fp16_timed_equal_overlap"}
+# rounds every --round-seconds on each rank's clock (schedules.EverySeconds), in the loop
+# of timed_loop.py: ranks take different step counts
+TIMED = set(_sibling("timed_loop").TIMED)
+OURS.update({name: (hook, lambda dah, args: None)
+              for name, (hook, _) in _sibling("timed_loop").TIMED.items()})
 # the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
 DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook",
                 "diloco_streaming": "allreduce_hook"}
