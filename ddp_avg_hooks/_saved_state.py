@@ -89,6 +89,7 @@ class HandleCheckpointing:
             "step_count": self._step_count,
             "next_round": min(self._plan.next_rounds),
             "plan": self._plan.state_dict(),
+            "weight_totals": self._weights.state_dict(),
             "config": self.config(),
             "schedule": self._schedule.state_dict(),
             "anchors": [s["anchor"] for s in saved],
@@ -119,3 +120,4 @@ class HandleCheckpointing:
         self._step_count = int(state_dict["step_count"])
         self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
         self._plan.load_state_dict(state_dict.get("plan") or plan_before_fragments(state_dict))
+        self._weights.load_state_dict(state_dict.get("weight_totals"))

@@ -18,7 +18,8 @@ from .observers import Reporter
 from .planner import RoundPlanner
 from ._saved_state import HandleCheckpointing, difference
 from ._step_hooks import StepHooks
-from .rounds import AveragingHookError, PendingRound, RoundEngine
+from .rounds import PendingRound, RoundEngine
+from ._weights import RoundWeights
 
 __all__ = ["AveragingHandle", "AveragingStats", "difference"]
 
@@ -73,8 +74,10 @@ class AveragingHandle(HandleCheckpointing):
     round of any fragment), as ``params + (averaged - params_at_launch)`` (see
     :mod:`ddp_avg_hooks.rounds`), or with ``mixing=alpha`` as ``alpha * params + (1 -
     alpha) * averaged`` (Streaming DiLoCo's merge: ``alpha=0`` drops the steps taken
-    while the round was in flight, ``alpha=1`` ignores the round). ``average()``,
-    ``state_dict()`` and ``remove()`` finish the rounds in flight first.
+    while the round was in flight, ``alpha=1`` ignores the round). Time-based rounds
+    keep one round in flight at a time, and the next one's clock starts when it
+    completes (see ``schedules.EverySeconds``). ``average()``, ``state_dict()`` and
+    ``remove()`` finish the rounds in flight first.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -109,6 +112,10 @@ class AveragingHandle(HandleCheckpointing):
         self._removed = False
         self.stats = AveragingStats()
         self._schedule.bind(self.process_group)
+        self._weighted = getattr(self._schedule, "weighted", False) and \
+            dist.get_world_size(self.process_group) > 1
+        self._weights = RoundWeights(world=dist.get_world_size(self.process_group),
+                                     fragments=len(engine.fragments), linear=engine.linear)
 
     # --- schedule ---------------------------------------------------------------------
     @property
@@ -162,6 +169,11 @@ class AveragingHandle(HandleCheckpointing):
         ran (or was launched, with ``overlap=True``) at this step.
         """
         self._check_alive("step")
+        if self._plan.timed:  # applying a round starts the clock of the next one
+            overdue = self._plan.in_round_for() >= self._schedule.seconds
+            for pending in list(self._in_flight):
+                if pending.done() or overdue:
+                    self._finish(pending)
         fragment = self._plan.due(self._step_count)
         averaging = fragment is not None
         for pending in list(self._in_flight):
@@ -172,7 +184,6 @@ class AveragingHandle(HandleCheckpointing):
             pending = self._launch(overlapped=self._options.overlap, fragment=fragment)
             if not pending.overlapped:
                 self._finish(pending)
-            self._plan.finished()
         elif self._step_count == self._warmup_steps - 1:
             # Warm-up kept the replicas identical; start the deltas from here.
             for bucket in self._engine.buckets:
@@ -205,44 +216,47 @@ class AveragingHandle(HandleCheckpointing):
         where = f"round {self._rounds_started + 1}, step {self._step_count}"
         # the policies' extras (buffers, optimizer state) go with the first fragment
         extras = [b for policy in self._policies for b in policy.buckets()] if not fragment else []
-        scale = 1.0
+        scale, exchange = 1.0, None
         if fragment is not None:
-            scale = self._delta_scale(fragment, where)
+            if self._weighted:
+                scale, exchange = self._weights.start(
+                    self._plan.local_steps(self._step_count, fragment), fragment,
+                    self.process_group, where)
             self._plan.started(self._step_count, fragment)
-        pending = self._engine.launch(overlapped=overlapped, extras=extras, where=where,
-                                      fragment=fragment, delta_scale=scale)
+        try:
+            pending = self._engine.launch(overlapped=overlapped, extras=extras, where=where,
+                                          fragment=fragment, delta_scale=scale)
+        except BaseException:
+            if fragment is not None:
+                self._plan.finished()  # a failed round too: the schedule goes on
+            raise
+        pending.weights = exchange
         self._rounds_started += 1
         if overlapped:
             self._in_flight.append(pending)
+            if self._plan.timed:  # the next round's clock starts as this one completes
+                pending.record_completion(self._plan.clock)
         return pending
-
-    def _delta_scale(self, fragment: int, where: str) -> float:
-        """``world_size * w / sum(w)`` for this rank's local steps ``w`` when rounds are
-        weighted by work (see ``schedules.EverySeconds``), else 1."""
-        world = dist.get_world_size(self.process_group)
-        if not getattr(self._schedule, "weighted", False) or world == 1:
-            return 1.0
-        mine = float(self._plan.local_steps(self._step_count, fragment))
-        total = torch.tensor([mine], dtype=torch.float64)
-        try:
-            dist.all_reduce(total, group=self.process_group)
-        except Exception as exc:
-            raise AveragingHookError(
-                f"{where}: could not agree on the ranks' local steps with the other ranks "
-                f"({type(exc).__name__}: {exc}). Every rank must run the same rounds: with "
-                "EverySeconds, end the loop on handle.rounds_started, not on a step count"
-            ) from exc
-        total = float(total)
-        return 1.0 if total <= 0 else world * mine / total
 
     def _finish(self, pending: PendingRound) -> None:
         self._in_flight = [p for p in self._in_flight if p is not pending]
         try:
+            self._apply(pending)
+        finally:  # a failed round too: the schedule goes on
+            if pending.fragment is not None and not self._in_flight:
+                self._plan.finished(pending.completed_at)
+
+    def _apply(self, pending: PendingRound) -> None:
+        try:
+            factor = 1.0 if pending.weights is None else \
+                self._weights.correction(pending.weights, pending.where)
             finished = self._engine.collect(pending)
         finally:
             self.stats.bytes_sent += pending.bytes_sent
             self.stats.last_round_bytes = pending.bytes_sent
         self.stats.wait_seconds += finished.wait_seconds
+        if factor != 1.0:
+            self._engine.rescale(pending, finished, factor)
         measured = self._reporter.measure(pending.buckets, finished)
         self._engine.write_back(pending, finished)
         for policy in self._policies:

@@ -9,8 +9,9 @@ A registration's parameters are split into ``fragments`` parts (see
   object decides the distance to the next round after each round (``K = 1`` only).
 * **time-based** (:class:`~ddp_avg_hooks.schedules.EverySeconds`): the first round is at
   step ``warmup_steps``; after that a rank enters the next round once ``seconds / K``
-  have passed on its own clock since it finished the previous one. Rounds are matched by
-  order, fragment ``k % K`` at round ``k``; ranks may enter them at different steps.
+  have passed on its own clock since it finished the previous one (with overlap:
+  since the previous one completed). Rounds are matched by order, fragment ``k % K``
+  at round ``k``; ranks may enter them at different steps.
 
 Example:
     >>> from ddp_avg_hooks.planner import RoundPlanner
@@ -99,6 +100,7 @@ class RoundPlanner:
         self.last_rounds = list(self.next_rounds)  # step of each fragment's last round
         self.rounds = 0
         self._last_finish: float | None = None
+        self._launched: float | None = None  # when the round not yet applied began
 
     def due(self, step: int) -> int | None:
         """The fragment a round at ``step`` averages, or ``None`` for no round."""
@@ -113,8 +115,14 @@ class RoundPlanner:
             return 0
         if self._last_finish is None:  # resumed from a checkpoint: restart the clock
             self._last_finish = self._clock()
+        if self._launched is not None:  # the last round is not applied yet
+            return None
         elapsed = self._clock() - self._last_finish
         return self.rounds % self.fragments if elapsed >= self.schedule.seconds / self.fragments else None
+
+    def in_round_for(self) -> float:
+        """Time-based rounds: seconds since the round not yet applied began (0: none)."""
+        return 0.0 if self._launched is None else self._clock() - self._launched
 
     def local_steps(self, step: int, fragment: int) -> int:
         """Steps this rank took since ``fragment``'s last round (its weight)."""
@@ -126,10 +134,17 @@ class RoundPlanner:
         self.last_rounds[fragment] = step
         if not self.timed:
             self.next_rounds[fragment] = step + self.schedule.next_period(step)
+        else:
+            self._launched = self._clock()
 
-    def finished(self) -> None:
-        """The round launched last is over on this rank (starts the clock of the next)."""
-        self._last_finish = self._clock()
+    def clock(self) -> float:
+        return self._clock()
+
+    def finished(self, completed_at: float | None = None) -> None:
+        """Every round launched is applied on this rank; the clock of the next starts at
+        ``completed_at`` (when the last one completed; default: now)."""
+        self._launched = None
+        self._last_finish = self._clock() if completed_at is None else completed_at
 
     def state_dict(self) -> dict:
         return {"next_rounds": list(self.next_rounds), "last_rounds": list(self.last_rounds),
@@ -139,4 +154,4 @@ class RoundPlanner:
         self.next_rounds = [int(s) for s in state["next_rounds"]]
         self.last_rounds = [int(s) for s in state["last_rounds"]]
         self.rounds = int(state["rounds"])
-        self._last_finish = None
+        self._last_finish = self._launched = None

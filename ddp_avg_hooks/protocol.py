@@ -43,11 +43,17 @@ class HookSpec:
         prepare_bucket: ``prepare_bucket(state, bucket)`` creates per-bucket memory at
             registration (so a fresh handle's ``state_dict()`` already has the structure
             a checkpoint loads into).
+        linear: the result's change from the anchor is linear in the ranks' changes
+            (an average, compressed or not): if every rank's change is multiplied by
+            ``c``, so is the result's. Weighted time-based rounds then start without
+            waiting for the other ranks' step counts, and correct the result's scale
+            when they arrive (see ``schedules.EverySeconds``).
     """
 
     needs_anchor: bool = False
     validate_state: Callable[[object], None] | None = None
     prepare_bucket: Callable[[object, object], None] | None = None
+    linear: bool = False
 
     def validate(self, state) -> None:
         """Run ``validate_state`` (if any) on ``state``."""
@@ -66,13 +72,14 @@ def averaging_hook(
     needs_anchor: bool = False,
     validate_state: Callable | None = None,
     prepare_bucket: Callable | None = None,
+    linear: bool = False,
 ):
     """Attach a :class:`HookSpec` to a hook function (as ``fn.averaging_spec``); returns ``fn``.
 
     Usable bare (``@averaging_hook``, which declares nothing) or with arguments.
     """
     spec = HookSpec(needs_anchor=bool(needs_anchor), validate_state=validate_state,
-                    prepare_bucket=prepare_bucket)
+                    prepare_bucket=prepare_bucket, linear=bool(linear))
 
     def attach(hook: Callable) -> Callable:
         setattr(hook, SPEC_ATTRIBUTE, spec)

@@ -177,7 +177,7 @@ def register_averaging_hook(
     group = opts.process_group if opts.process_group is not None else group_of_state(state)
     group = dist.group.WORLD if group is None else group
     engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite,
-                         fragments=fragments, mixing=opts.mixing)
+                         fragments=fragments, mixing=opts.mixing, linear=spec.linear)
     in_bucket_order = [p for b in buckets for p in b.parameters()]
     handle = AveragingHandle(
         ddp_model,

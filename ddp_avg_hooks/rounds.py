@@ -75,9 +75,21 @@ class PendingRound:
     changes: list[bool]  # per bucket: whether its result is ``anchor - new``
     fragment: int | None = None  # the fragment it averages (None: every bucket)
     bytes_sent: int = 0  # set by collect(), even when a check fails
+    weights: object = None  # the ranks' step counts in flight (a weighted round), if any
+    completed_at: float | None = None  # see record_completion
 
     def done(self) -> bool:
-        return all(f.done() for f in self.futures + self.extra_futures)
+        return all(f.done() for f in self.futures + self.extra_futures) and \
+            (self.weights is None or self.weights.done())
+
+    def record_completion(self, clock: Callable[[], float]) -> None:
+        """Set ``completed_at`` to ``clock()`` when the round's last future completes."""
+        def completed(_) -> None:
+            self.completed_at = clock()
+
+        works = [] if self.weights is None else [self.weights.work.get_future()]
+        for fut in self.futures + self.extra_futures + works:
+            fut.add_done_callback(completed)
 
 
 @dataclasses.dataclass
@@ -105,12 +117,14 @@ class RoundEngine:
         fragments: ``buckets`` cut into consecutive parts that rounds may average one
             at a time (default: one part, all buckets).
         mixing: how an overlapped round is applied (see :meth:`ParamBucket._write_back_with_progress`).
+        linear: the hook is declared ``linear`` (see :class:`~ddp_avg_hooks.HookSpec`).
     """
 
     def __init__(self, hook: Callable, state, buckets: Sequence[ParamBucket], *,
                  exact_group=None, check_finite: bool = False,
                  fragments: Sequence[Sequence[ParamBucket]] | None = None,
-                 mixing: float | None = None) -> None:
+                 mixing: float | None = None, linear: bool = False) -> None:
+        self.linear = linear
         self.hook, self.state = hook, state
         self.name = hook_name(hook)
         self.buckets = list(buckets)
@@ -198,6 +212,16 @@ class RoundEngine:
         return FinishedRound(results, extra_results, pending.overlapped, pending.bytes_sent,
                              time.perf_counter() - wait_start, pending.started,
                              pending.changes)
+
+    @staticmethod
+    def rescale(pending: PendingRound, finished: FinishedRound, factor: float) -> None:
+        """Multiply each result's change from its bucket's anchor by ``factor``, in place."""
+        for bucket, value, change in zip(pending.buckets, finished.results, finished.changes):
+            if change:
+                value.mul_(factor)
+            else:
+                anchor = bucket._anchor_for_op()
+                torch.add(anchor, value.sub_(anchor), alpha=factor, out=value)
 
     def write_back(self, pending: PendingRound, finished: FinishedRound) -> None:
         """Copy the results into the parameters in place (all of them valid by now)."""

@@ -225,13 +225,22 @@ class EverySeconds(PeriodSchedule):
     * ``"steps"`` (default): each rank weighs by the local steps it took since the last
       round of those parameters, ``avg = anchor - sum_r w_r delta_r / sum_r w_r``. A
       rank that did twice the work moves the average twice as far; equal steps give the
-      plain average, bit for bit. One 2-element allreduce per round agrees on the total
-      (and fails, naming the round, when a rank has stopped). Needs anchors, which the
-      handle then keeps.
+      plain average. A 1-element allreduce per round sums the steps (and fails, naming
+      the round, when a rank has stopped). A hook declared ``linear`` (every built-in
+      average; not ``outer_optimizer``) does not wait for it: it starts at once from the
+      previous round's total, and the result's change is rescaled to the true total
+      before it is applied. Other hooks, and each fragment's first two rounds, wait for
+      the total first. Needs anchors, which the handle then keeps.
     * ``"equal"``: the plain average, whatever the steps. With unequal local steps this
       optimizes a different objective: FedNova (Wang et al. 2020) shows plain averaging
       of unequal amounts of local work is biased towards the objectives of the ranks
       that did more steps; weighting by steps removes that bias for SGD-like updates.
+
+    With ``overlap=True`` a rank trains on while a round is in flight (so a fast rank
+    does not wait for a slow one to enter it), and the clock of the next round starts
+    when the round completes, an instant all ranks share: one round is in flight at a
+    time, and the ranks' clocks start together at every round instead of drifting
+    apart. A round in flight for a whole period (``seconds``) is waited for.
 
     Gradients must not be synchronized per step after the warm-up (ranks take different
     numbers of steps): register ``grad_hooks.local_sgd_grad_hook`` on the DDP model.

@@ -78,11 +78,11 @@ def test_fast_rank_takes_more_steps_and_rounds_match(weighting, hook_name):
         assert any(w[0] > w[1] for _, _, w in fast["checks"])
 
 
-def _rank_stops_early(rank, world_size):
+def _rank_stops_early(rank, world_size, overlap):
     model = make_model()
     ddp = DDP(model)
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
-                                         period=EverySeconds(0.05))
+                                         period=EverySeconds(0.05), overlap=overlap)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     step = 0
@@ -91,13 +91,17 @@ def _rank_stops_early(rank, world_size):
             train_step(ddp, opt, rank, step)
             handle.step()
             step += 1
+        handle.synchronize()  # rank 1 finishes its last round in flight, then stops
     except dah.AveragingHookError as exc:
         return str(exc)
     return None
 
 
-def test_a_rank_that_stops_early_is_an_error_naming_the_round():
-    messages = run_ranks(_rank_stops_early, 2, pg_timeout_s=5, hard_exit=True)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_rank_that_stops_early_is_an_error_naming_the_round(overlap):
+    # with overlap, round 3 is launched without waiting; the wait for it (held back
+    # for one period at most) is where the error comes out, naming that round
+    messages = run_ranks(_rank_stops_early, 2, pg_timeout_s=5, hard_exit=True, overlap=overlap)
     assert messages[1] is None
     assert "round 3" in messages[0] and "rounds_started" in messages[0], messages[0]
 
@@ -132,6 +136,7 @@ def _rank_resume(rank, world_size, tmp):
     opt2.load_state_dict(saved["opt"])
     again.load_state_dict(saved["handle"])
     resumed = (again.step_count, again.rounds_started, again._plan.local_steps(again.step_count, 0))
+    assert again._weights.totals == handle._weights.totals and handle._weights.totals[0] > 0
     while again.rounds_started < 4:
         train_step(ddp2, opt2, rank, step)
         again.step()
@@ -196,3 +201,146 @@ def test_time_based_rounds_take_turns_over_fragments_with_overlap():
     assert fast_rounds == slow_rounds == 6 and same
     assert seen == [1, 0, 1, 0, 1, 0]  # fragment 0, 1, 0, ... (counted after each launch)
     assert fast_steps > slow_steps
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+class _Ranks:
+    """One rank of a two-rank run on a clock the test moves: a round is due only when
+    the test moves the clock a period ahead."""
+
+    def __init__(self, rank, hook=dah.hooks.fp16_compress_hook, **options):
+        self.rank, self.model = rank, make_model()
+        self.ddp = DDP(self.model)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.handle = dah.register_averaging_hook(self.ddp, hook, None,
+                                                  period=EverySeconds(1.0), overlap=True, **options)
+        self.ddp.register_comm_hook(self.handle, dah.grad_hooks.local_sgd_grad_hook)
+        self.now = [0.0]
+        self.handle._plan._clock = lambda: self.now[0]
+        self.steps, self.last_round = 0, 0
+
+    def step(self, *, advance: float = 0.0, trained: bool = False) -> bool:
+        if not trained:
+            train_step(self.ddp, self.opt, self.rank, self.steps)
+        self.now[0] += advance
+        at = self.handle.step_count
+        entered = self.handle.step()
+        if entered:
+            self.last_round = at
+        self.steps += 1
+        return entered
+
+    def enter(self, *, trained: bool = False) -> int:
+        """Move the clock a period on and step, until a round starts (a round in flight
+        is applied first, and its clock starts then); the steps taken."""
+        for steps in range(1, 6):
+            if self.step(advance=1.0, trained=trained and steps == 1):
+                return steps
+        raise AssertionError("no round started within 5 periods")
+
+    def local_steps(self, n: int, *, then_enter: bool) -> None:
+        for _ in range(n):
+            assert not self.step()
+        if then_enter:
+            self.enter()
+
+
+def _rank_counts_in_flight(rank, world_size, hook_name):
+    """Rounds 1-2 agree on the step counts first (no earlier total to start from);
+    round 3 starts on rank 0 before rank 1 has even entered it."""
+    r = _Ranks(rank, getattr(dah.hooks, hook_name))
+    r.local_steps(0, then_enter=True)
+    r.handle.synchronize()
+    r.local_steps(3 + rank, then_enter=True)
+    r.handle.synchronize()
+    r.local_steps(4 if rank == 0 else 1, then_enter=False)
+    train_step(r.ddp, r.opt, rank, r.steps)
+    anchor = torch.cat([b.anchor() for b in r.handle.buckets]).double()
+    launch = _gather(flat(r.model).double())
+    w = torch.tensor([float(x) for x in _gather(torch.tensor([r.handle.step_count - r.last_round]))])
+    if rank == 1:
+        _store().wait(["entered"])  # rank 0 is in round 3, alone
+    assert r.enter(trained=True) == 1  # nothing in flight: at once
+    if rank == 0:
+        _store().set("entered", "1")
+    r.handle.synchronize()
+    got = torch.cat([b.anchor() for b in r.handle.buckets])
+    expected = anchor + sum(wi * (p - anchor) for wi, p in zip(w, launch)) / w.sum()
+    return w.tolist(), float((got.double() - expected).abs().max()), _gather(got)
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce_hook", "fp16_compress_hook"])
+def test_weighted_rounds_start_before_the_step_counts_are_in(hook_name):
+    (w, err, anchors), _ = run_ranks(_rank_counts_in_flight, 2, pg_timeout_s=30,
+                                     hook_name=hook_name)
+    assert w == [5.0, 2.0] and torch.equal(anchors[0], anchors[1])
+    assert err <= (1e-6 if hook_name == "allreduce_hook" else 2e-3), err
+
+
+def _rank_clock_starts_when_applied(rank, world_size):
+    """Rank 0 trains on while its round 3 waits for rank 1; no round is due until round
+    3 is applied, which a whole period in flight makes rank 0 wait for."""
+    r = _Ranks(rank)
+    r.local_steps(0, then_enter=True)
+    r.local_steps(2, then_enter=True)
+    r.handle.synchronize()
+    held = []
+    if rank == 0:
+        r.local_steps(2, then_enter=True)  # round 3, alone
+        held = [r.step(advance=0.5), r.step(), r.step(advance=0.4)]
+        _store().set("held", "1")
+        held.append(r.step(advance=0.1))  # a period in flight: waits for round 3
+        held.append(r.handle.stats.rounds)
+        r.enter()
+    else:
+        _store().wait(["held"])
+        r.local_steps(1, then_enter=True)
+        r.enter()
+    r.handle.synchronize()
+    anchors = _gather(torch.cat([b.anchor() for b in r.handle.buckets]))
+    return held, r.handle.rounds_started, r.handle.stats.rounds, torch.equal(*anchors)
+
+
+def test_an_overlapped_round_starts_the_next_ones_clock_when_applied():
+    (held, started, done, same), (_, started1, done1, _) = run_ranks(
+        _rank_clock_starts_when_applied, 2, pg_timeout_s=30)
+    assert held == [False, False, False, False, 3]
+    assert started == started1 == done == done1 == 4 and same
+
+
+def test_the_built_in_averages_are_declared_linear(world1):
+    hooks = dah.hooks
+    linear = [hooks.allreduce_hook, hooks.fp16_compress_hook, hooks.bf16_compress_hook,
+              hooks.int8_compress_hook, hooks.int4_compress_hook, hooks.powersgd_hook]
+    assert all(dah.hook_spec(h).linear for h in linear)
+    assert not dah.hook_spec(hooks.outer_optimizer(hooks.fp16_compress_hook)).linear
+    assert not dah.hook_spec(lambda state, bucket: None).linear
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_round_does_not_stop_the_clock(world1, overlap):
+    calls = []
+
+    def flaky(state, bucket):
+        calls.append(bucket.index())
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return dah.hooks.allreduce_hook(None, bucket)
+
+    ddp = DDP(make_model())
+    handle = dah.register_averaging_hook(ddp, flaky, None, overlap=overlap,
+                                         period=EverySeconds(1.0, weighting="equal"))
+    now = [0.0]
+    handle._plan._clock = lambda: now[0]
+    assert handle.step()  # round 1, at step 0
+    handle.synchronize()
+    now[0] += 1.0
+    with pytest.raises(dah.AveragingHookError, match="boom"):
+        handle.step()  # round 2 fails
+    assert not handle.step()  # the clock restarted as it failed
+    now[0] += 1.0
+    assert handle.step() and len(calls) == 3
+    handle.remove()

@@ -263,7 +263,7 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> tor
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.float16],
-                prepare_bucket=_prepare_bucket)
+                prepare_bucket=_prepare_bucket, linear=True)
 def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as float16.
 
@@ -296,7 +296,7 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.bfloat16],
-                prepare_bucket=_prepare_bucket)
+                prepare_bucket=_prepare_bucket, linear=True)
 def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as bfloat16.
 

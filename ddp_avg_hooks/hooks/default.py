@@ -15,7 +15,7 @@ def _group(state) -> dist.ProcessGroup:
     return or_world(check_group(state, "allreduce_hook", what="state"))
 
 
-@averaging_hook(validate_state=_group)
+@averaging_hook(validate_state=_group, linear=True)
 def allreduce_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the bucket's parameters exactly: ``new = sum_r(params_r / world_size)``.
 

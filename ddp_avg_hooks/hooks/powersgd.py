@@ -232,7 +232,8 @@ def _prepare_bucket(state: PowerSGDState, bucket: ParamBucket) -> None:
     state._bucket_memory(bucket)
 
 
-@averaging_hook(needs_anchor=True, validate_state=_validate_state, prepare_bucket=_prepare_bucket)
+@averaging_hook(needs_anchor=True, validate_state=_validate_state, prepare_bucket=_prepare_bucket,
+                linear=True)
 def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change with PowerSGD (low rank, error feedback, warm start).
 

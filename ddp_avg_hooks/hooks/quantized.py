@@ -301,7 +301,8 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     return result
 
 
-@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_prepare_bucket)
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_prepare_bucket,
+                linear=True)
 def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int8.
 
@@ -332,7 +333,8 @@ def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     return _quantized_delta_hook(state, bucket, 8)
 
 
-@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4], prepare_bucket=_prepare_bucket)
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4], prepare_bucket=_prepare_bucket,
+                linear=True)
 def int4_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int4.
 
