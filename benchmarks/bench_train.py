@@ -285,19 +285,21 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
           f"`{header}`", ""]
     md += [f"- {n}" for n in notes]
     md += ["", "Definitions: target = DDP's validation loss at the end of its budget; time to target = "
-           "training wall-clock (validation excluded) at the first validation point at or below it, "
+           "training wall-clock (validation excluded, but not the wait for the other ranks as it begins) at the first validation point at or below it, "
            "'not reached' within twice the budget otherwise; validation is of the ranks' average "
            "model; MB/step = bytes rank 0 handed to collectives per step (wire MB/step: the veth "
            "device's kernel counter, TCP/IP overhead included); comm wait = share of step time "
            "waiting on communication (gradient all-reduces, and the averaging call of every step: "
-           "its rounds, their deferred phases and late write-backs); local step / none = median step that sent nothing over "
+           "its rounds, their deferred phases and late write-backs; and the wait for the other ranks "
+           "as a validation begins); local step / none = median step that sent nothing over "
            "the median step of `none`; MB to target = bytes rank 0 handed to collectives up to the "
            "first validation at or below the target. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():
         md += [f"#### {prof}: {network_of[prof]}", "", report.markdown_table(rows, report.BENCH_COLUMNS), ""]
         if "+" in prof:  # uneven workers: per-rank steps, compute and idle time
             md += ["Uneven workers: compute = step time minus time waiting on communication "
-                   "(gradient-sync waits, averaging rounds); overhead = (mean step - mean "
+                   "(gradient-sync waits, averaging rounds, the wait for the other ranks as a validation "
+                   "begins); overhead = (mean step - mean "
                    "compute) / mean compute; idle share = each rank's waiting time over its "
                    "training time (rank 0 / rank 1 ...).", "",
                    report.markdown_table(uneven.rows(all_runs[prof]), uneven.COLUMNS), ""]

@@ -33,8 +33,7 @@ import torch.nn.functional as F
 TIMED = {"allreduce_timed": ("allreduce_hook", "steps"),
          "fp16_timed": ("fp16_compress_hook", "steps"),
          "allreduce_timed_equal": ("allreduce_hook", "equal"),
-         # the same with overlap=True: a rank that enters a round first trains on (with
-         # weights by steps it still waits for the others' step counts at the round)
+         # the same with overlap=True: a rank that enters a round first trains on
          "fp16_timed_overlap": ("fp16_compress_hook", "steps"),
          "fp16_timed_equal_overlap": ("fp16_compress_hook", "equal")}
 
@@ -78,8 +77,13 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
     train_s, total_bytes, eval_s = 0.0, 0, 0.0
     stopped_by = "rounds"
 
+    val_wait_s = 0.0  # waiting for the other ranks as a validation begins (on the clock)
+
     def validate(i: int) -> None:
-        nonlocal eval_s
+        nonlocal eval_s, train_s, val_wait_s
+        waited = ctx["wait_for_ranks"](raw_all_reduce)
+        train_s += waited
+        val_wait_s += waited
         te = time.perf_counter()
         n = torch.tensor([float(i)], dtype=torch.float64)
         raw_all_reduce(n)  # every rank's steps so far: uncounted, off the clock
@@ -130,7 +134,7 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
     s = handle.stats
     stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4))
     meter.uninstall()
-    comm = sum(r["comm_s"] for r in steps)
+    comm = sum(r["comm_s"] for r in steps) + val_wait_s
     mine = torch.tensor([train_s, float(total_bytes), comm, float(len(steps)), slow.sleep_s],
                         dtype=torch.float64)
     all_ranks = [torch.zeros_like(mine) for _ in range(world)]
@@ -146,6 +150,7 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
         train_s=train_s,
         bytes_per_step=total_bytes / len(steps),
         comm_share=comm / max(train_s, 1e-12),
+        val_wait_s=val_wait_s,
         median_local_step_s=statistics.median([r["step_s"] for r in steps if not r["averaged"]
                                                and r["bytes"] == 0] or [float("nan")]),
         wire_bytes_per_step=None if wire0 is None or wire1 is None else (wire1 - wire0) / len(steps),

@@ -642,9 +642,14 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     stopped_by = "steps"
 
     eval_s = 0.0  # wall time spent validating (off the training clock)
+    wait_for_ranks = _sibling("uneven").wait_for_ranks
+    val_wait_s = 0.0  # waiting for the other ranks as a validation begins (on the clock)
 
     def validate(i: int) -> None:
-        nonlocal eval_s
+        nonlocal eval_s, train_s, val_wait_s
+        waited = wait_for_ranks(raw_all_reduce)
+        train_s += waited
+        val_wait_s += waited
         te = time.perf_counter()
         evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
                           train_s=round(train_s, 4), bytes=total_bytes,
@@ -658,7 +663,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
             variant=variant, opt=opt, sched=sched, train_data=train_data, val_data=val_data,
             gen=gen, consensus_eval=consensus_eval, raw_all_reduce=raw_all_reduce, slow=slow,
             get_batch=get_batch, read_wire=_read_wire, wire_if=wire_if, n_params=n_params,
-            ops_backend=ops_backend))
+            ops_backend=ops_backend, wait_for_ranks=wait_for_ranks))
     dist.barrier()
     wire0 = _read_wire(wire_if)
     for i in range(args.steps):
@@ -724,7 +729,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         stats["node"] = dict(rounds=n.rounds, bytes_sent=n.bytes_sent, seconds=round(n.seconds, 4))
     meter.uninstall()
     # every rank's view of time and bytes, for the record
-    mine = torch.tensor([train_s, float(total_bytes), sum(r["comm_s"] for r in steps),
+    comm_s = sum(r["comm_s"] for r in steps) + val_wait_s
+    mine = torch.tensor([train_s, float(total_bytes), comm_s,
                          float(len(steps)), slow.sleep_s], dtype=torch.float64)
     all_ranks = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(all_ranks, mine)
@@ -738,7 +744,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         mean_step_s=statistics.fmean(step_s),
         train_s=train_s,
         bytes_per_step=total_bytes / len(steps),
-        comm_share=sum(r["comm_s"] for r in steps) / max(train_s, 1e-12),
+        comm_share=comm_s / max(train_s, 1e-12),
+        val_wait_s=val_wait_s,
         median_local_step_s=_median_or_none([r["step_s"] for r in steps
                                              if not r["averaged"] and r["bytes"] == 0]),
         wire_bytes_per_step=None if wire0 is None or wire1 is None else (wire1 - wire0) / len(steps),

@@ -35,6 +35,20 @@ CFS_PERIOD_US = 10_000
 SLOW_RANK = 1  # rank 0 writes the metrics; the slow one is its peer
 
 
+def wait_for_ranks(all_reduce) -> float:
+    """Seconds this rank waits for the others to arrive, by one 1-element all-reduce.
+
+    Validation starts with it: a validation is collective, so a rank that arrives first
+    waits there for the others. That wait is idle time caused by uneven ranks, and the
+    loops count it as training time and as waiting, not as validation.
+    """
+    import torch
+
+    t = time.perf_counter()
+    all_reduce(torch.zeros(1))
+    return time.perf_counter() - t
+
+
 def split_profile(name: str) -> tuple[str, str | None]:
     """``"100mbit+slow-rank"`` -> ``("100mbit", "slow-rank")``; ``"loopback"`` -> ``("loopback", None)``.
 
