@@ -84,6 +84,9 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
         waited = ctx["wait_for_ranks"](raw_all_reduce)
         train_s += waited
         val_wait_s += waited
+        if steps:  # part of the step before: the records still add up to train_s
+            steps[-1]["step_s"] = round(steps[-1]["step_s"] + waited, 6)
+            steps[-1]["comm_s"] = round(steps[-1]["comm_s"] + waited, 6)
         te = time.perf_counter()
         n = torch.tensor([float(i)], dtype=torch.float64)
         raw_all_reduce(n)  # every rank's steps so far: uncounted, off the clock
@@ -134,7 +137,7 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
     s = handle.stats
     stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4))
     meter.uninstall()
-    comm = sum(r["comm_s"] for r in steps) + val_wait_s
+    comm = sum(r["comm_s"] for r in steps)
     mine = torch.tensor([train_s, float(total_bytes), comm, float(len(steps)), slow.sleep_s],
                         dtype=torch.float64)
     all_ranks = [torch.zeros_like(mine) for _ in range(world)]

@@ -650,6 +650,9 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         waited = wait_for_ranks(raw_all_reduce)
         train_s += waited
         val_wait_s += waited
+        if steps:  # part of the step before: the records still add up to train_s
+            steps[-1]["step_s"] = round(steps[-1]["step_s"] + waited, 6)
+            steps[-1]["comm_s"] = round(steps[-1]["comm_s"] + waited, 6)
         te = time.perf_counter()
         evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
                           train_s=round(train_s, 4), bytes=total_bytes,
@@ -729,7 +732,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         stats["node"] = dict(rounds=n.rounds, bytes_sent=n.bytes_sent, seconds=round(n.seconds, 4))
     meter.uninstall()
     # every rank's view of time and bytes, for the record
-    comm_s = sum(r["comm_s"] for r in steps) + val_wait_s
+    comm_s = sum(r["comm_s"] for r in steps)
     mine = torch.tensor([train_s, float(total_bytes), comm_s,
                          float(len(steps)), slow.sleep_s], dtype=torch.float64)
     all_ranks = [torch.zeros_like(mine) for _ in range(world)]
