@@ -50,6 +50,9 @@ bench: ext
 	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter --seed $$seed \
 	    --variants ddp,allreduce_overlap,fp16_overlap --out benchmarks/results/uneven_overlap_seed$$seed \
 	    --title "Uneven workers, rounds overlapped with training (period 8): jitter, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter --seed $$seed --eval-every 0 \
+	    --variants ddp,allreduce,fp16,allreduce_overlap,fp16_overlap --out benchmarks/results/jitter_loop_only_seed$$seed \
+	    --title "Uneven workers, jitter: the training loop alone (one validation, at the end), period 8, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
 	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8,fp16_streaming,int8_streaming,int8_streaming_half_period,diloco,torchft_diloco \
 	    --out benchmarks/results/slow_link_best_seed$$seed \

@@ -195,7 +195,7 @@ def main(argv=None) -> int:
             s = run["summary"]
             print(f"{prof.name:9s} {v:15s} steps={steps:4d} val={s['final_val_loss']:.4f} "
                   f"median={s['median_step_s'] * 1e3:7.1f}ms mean={s['mean_step_s'] * 1e3:7.1f}ms "
-                  f"MB/step={s['bytes_per_step'] / 1e6:6.3f} comm={s['comm_share']:.0%} "
+                  f"MB/step={s['bytes_per_step'] / 1e6:6.3f} comm={report.comm_wait(s):.0%} "
                   f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
             runs[v] = run
         all_runs[prof.name] = runs
@@ -290,8 +290,9 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
            "model; MB/step = bytes rank 0 handed to collectives per step (wire MB/step: the veth "
            "device's kernel counter, TCP/IP overhead included); comm wait = share of step time "
            "waiting on communication (gradient all-reduces, and the averaging call of every step: "
-           "its rounds, their deferred phases and late write-backs; and the wait for the other ranks "
-           "as a validation begins); local step / none = median step that sent nothing over "
+           "its rounds, their deferred phases and late write-backs; not the wait for the other ranks "
+           "as a validation begins, which is idle time of uneven ranks, in the training time "
+           "and the idle share); local step / none = median step that sent nothing over "
            "the median step of `none`; MB to target = bytes rank 0 handed to collectives up to the "
            "first validation at or below the target. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():

@@ -14,7 +14,7 @@ Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
   the baseline in percent;
 - *MB/step*: bytes rank 0 handed to collectives, averaged over all steps;
 - *comm wait share*: seconds waiting on communication (gradient all-reduces and every
-  step's averaging call) / training seconds;
+  step's averaging call) / training seconds (:func:`comm_wait`);
 - *local-step overhead*: median step time of steps that neither averaged nor sent
   anything, over the median step of the no-communication run (``none``).
 
@@ -76,6 +76,17 @@ def loss_at_step(run: dict, step: int) -> float | None:
     return None
 
 
+def comm_wait(summary: dict) -> float:
+    """Share of rank 0's training time spent waiting on communication: the run's waits
+    less the wait for the other ranks as a validation begins (that one is idle time of
+    uneven ranks, counted in their idle share, not communication).
+
+    >>> comm_wait(dict(comm_share=0.25, val_wait_s=1.0, train_s=10.0))
+    0.15
+    """
+    return summary["comm_share"] - summary.get("val_wait_s", 0.0) / max(summary["train_s"], 1e-12)
+
+
 def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
               reference: str = "torch_localsgd") -> list[dict]:
     """One row per run (in ``runs`` order) with the metrics defined in the module docstring."""
@@ -96,7 +107,7 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
                    mb_per_step=s["bytes_per_step"] / 1e6,
                    wire_mb_per_step=(s.get("wire_bytes_per_step") or 0) / 1e6
                    if s.get("wire_bytes_per_step") is not None else None,
-                   comm_share=s["comm_share"],
+                   comm_share=comm_wait(s),
                    speedup=(base_step / s["mean_step_s"]) if base_step else None)
         local = s.get("median_local_step_s")
         row["local_overhead"] = (local / none_step) if local and none_step and name != none else None
