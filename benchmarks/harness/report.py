@@ -84,7 +84,8 @@ def comm_wait(summary: dict) -> float:
     >>> comm_wait(dict(comm_share=0.25, val_wait_s=1.0, train_s=10.0))
     0.15
     """
-    return summary["comm_share"] - summary.get("val_wait_s", 0.0) / max(summary["train_s"], 1e-12)
+    waited = summary.get("val_wait_s") or 0.0
+    return summary["comm_share"] - (waited / max(summary["train_s"], 1e-12) if waited else 0.0)
 
 
 def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
