@@ -73,7 +73,11 @@ def test_teardown_when_setup_fails(monkeypatch):
 
 
 _CHILD = """
-import sys, time
+import signal, sys, time
+# SIGINT as a process started from a shell has it: a test runner's worker may hand its
+# children SIGINT ignored or blocked, and an ignored SIGINT gets no teardown handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 from harness import netns
 pair = netns.NetnsPair(netns.PROFILES["100mbit"]); pair.setup()
 print(" ".join(pair.ns), flush=True)
