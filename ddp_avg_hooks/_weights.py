@@ -58,17 +58,14 @@ class RoundWeights:
         """This rank's ``delta_scale`` for a round of ``fragment``, and the exchange in
         flight when the scale is provisional (see the module)."""
         reference = self.totals[fragment]
+        provisional = self.linear and reference is not None and reference > 0
         total = torch.tensor([float(mine)], dtype=torch.float64)
-        if self.linear and reference is not None and reference > 0:
-            try:
-                work = dist.all_reduce(total, group=group, async_op=True)
-            except Exception as exc:
-                raise self._error(where, exc) from exc
-            return self.world * mine / reference, WeightExchange(work, total, reference, fragment)
         try:
-            dist.all_reduce(total, group=group)
+            work = dist.all_reduce(total, group=group, async_op=provisional)
         except Exception as exc:
             raise self._error(where, exc) from exc
+        if provisional:
+            return self.world * mine / reference, WeightExchange(work, total, reference, fragment)
         self.totals[fragment] = float(total)
         return (1.0 if float(total) <= 0 else self.world * mine / float(total)), None
 
