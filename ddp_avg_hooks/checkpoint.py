@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import uuid
@@ -200,11 +201,13 @@ class RoundCheckpointer:
             except ValueError:
                 continue
             if rounds < newest_common and rounds not in keep:
-                for f in folder.glob(f"*rank{self.rank}.*"):
-                    f.unlink(missing_ok=True)
-                if self.rank == 0:
-                    for f in folder.glob("model.pt*"):
+                # in a shared directory another rank may remove the folder meanwhile
+                with contextlib.suppress(FileNotFoundError):
+                    for f in list(folder.glob(f"*rank{self.rank}.*")):
                         f.unlink(missing_ok=True)
+                    if self.rank == 0:
+                        for f in list(folder.glob("model.pt*")):
+                            f.unlink(missing_ok=True)
                 try:  # the last rank to leave removes the folder (shared or not)
                     folder.rmdir()
                 except OSError:
