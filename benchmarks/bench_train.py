@@ -10,7 +10,7 @@ Python stdlib source) for every variant, under every profile, in this one invoca
   ``bf16``, ``powersgd``); local SGD at ``--period``. DiLoCo at period 32: ours
   (``diloco``, ``diloco_fp16``, ``diloco_streaming``) and torchft's (``torchft_diloco``,
   ``torchft_streaming_diloco``). A peer whose package is not installed is reported as not run.
-- profiles: ``loopback``; ``1gbit`` and ``100mbit`` as two torchrun "nodes" in two network
+- profiles: ``loopback``; ``1gbit``, ``100mbit`` and ``25mbit`` as two torchrun "nodes" in two network
   namespaces joined by a veth pair shaped with ``tc tbf`` (a fresh pair per run, torn down
   on exit even on failure). Without root or ``ip netns`` it says so and runs loopback only.
   This kernel has no ``netem``: no delay is applied, and the output says so.

@@ -22,7 +22,7 @@ their own loopback, and no route leads out.
 Example (needs root and ``ip``; the doctest only checks the profile table)::
 
     >>> sorted(PROFILES)
-    ['100mbit', '1gbit', 'loopback']
+    ['100mbit', '1gbit', '25mbit', 'loopback']
     >>> PROFILES['100mbit'].rate_mbit
     100
 """
@@ -64,6 +64,7 @@ PROFILES = {
     "loopback": Profile("loopback"),
     "1gbit": Profile("1gbit", rate_mbit=1000),
     "100mbit": Profile("100mbit", rate_mbit=100),
+    "25mbit": Profile("25mbit", rate_mbit=25),
 }
 
 
