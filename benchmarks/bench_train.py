@@ -63,8 +63,8 @@ VARIANTS = ["ddp", "none", "ddp_fp16", "ddp_powersgd", "torch_localsgd", "accele
 OVERLAP_DILOCO_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloco_fp16",
                            "diloco_streaming", "torchft_diloco", "torchft_streaming_diloco"]
 VARIANTS += OVERLAP_DILOCO_VARIANTS
-DILOCO_VARIANTS = {"diloco", "diloco_fp16", "diloco_streaming", "torchft_diloco",
-                   "torchft_streaming_diloco"}
+DILOCO_VARIANTS = {"diloco", "diloco_fp16", "diloco_streaming", "diloco_int4",
+                   "diloco_int4_streaming", "torchft_diloco", "torchft_streaming_diloco"}
 DILOCO_PERIOD = 32
 # hierarchical averaging: two "nodes" (namespaces) of --nproc / 2 ranks; not in the default
 # run (2 ranks: one per node), see --nproc
@@ -399,7 +399,8 @@ def _speed_targets(rows: list[dict], prof: str) -> list[str]:
 
 
 def _overlap_diloco_targets(rows: list[dict], prof: str) -> list[str]:
-    """Targets of overlap and DiLoCo: overlapped steps within 15% of ``none``'s; DiLoCo >= 16x fewer bytes."""
+    """Targets of overlap and DiLoCo: overlapped steps within 15% of ``none``'s; DiLoCo >= 16x
+    fewer bytes; the fewest bytes to DDP's target of any variant, >= 100x fewer."""
     by = {r["variant"]: r for r in rows}
     out = []
     none = by.get("none")
@@ -414,6 +415,12 @@ def _overlap_diloco_targets(rows: list[dict], prof: str) -> list[str]:
                    else f"{saving:.1f}x fewer bytes than DDP to DDP's target loss "
                         f"(target >= 16x: {'met' if saving >= 16 else 'not met'})")
         out.append(f"- DiLoCo ({prof}): `{v}` {verdict}.")
+    savings = {v: r["bytes_saving_vs_ddp"] for v, r in by.items()
+               if v != "ddp" and r.get("bytes_saving_vs_ddp")}
+    if savings:
+        best = max(savings, key=savings.get)
+        out.append(f"- Bytes to DDP's target ({prof}): fewest with `{best}`, {savings[best]:.1f}x "
+                   f"fewer than DDP (target >= 100x: {'met' if savings[best] >= 100 else 'not met'}).")
     flat, hier = by.get("allreduce"), by.get(HIERARCHICAL)
     if flat and hier:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731

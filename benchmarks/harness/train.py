@@ -36,7 +36,8 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
   defaults, ``--outer-lr`` / ``--outer-momentum``; use a longer ``--period``, e.g. 32, and
   a smaller inner ``--lr``: the outer momentum multiplies each round's step by up to
   ``outer_lr / (1 - momentum)``, 7 with the defaults); ``diloco_streaming``: the
-  ``diloco`` variant with ``fragments=--fragments`` (Streaming DiLoCo).
+  ``diloco`` variant with ``fragments=--fragments`` (Streaming DiLoCo);
+  ``diloco_int4``, ``diloco_int4_streaming``: the same two over ``int4_compress_hook``.
 
 Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
 step seconds, bytes this rank handed to collectives, seconds waiting on communication,
@@ -321,6 +322,9 @@ OURS = {
     "diloco": ("outer_optimizer", _outer_state),
     "diloco_fp16": ("outer_optimizer", _outer_state),
     "diloco_streaming": ("outer_optimizer", _outer_state),
+    # DiLoCo over blockwise 4-bit rounds, whole model or --fragments fragments
+    "diloco_int4": ("outer_optimizer", _outer_state),
+    "diloco_int4_streaming": ("outer_optimizer", _outer_state),
     # exact rounds inside each node every --intra-period steps, across all every --period
     "hierarchical": ("allreduce_hook", lambda dah, args: None),
 }
@@ -331,7 +335,8 @@ OURS.update({name: (hook, lambda dah, args: None)
               for name, (hook, _) in _sibling("timed_loop").TIMED.items()})
 # the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
 DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook",
-                "diloco_streaming": "allreduce_hook"}
+                "diloco_streaming": "allreduce_hook", "diloco_int4": "int4_compress_hook",
+                "diloco_int4_streaming": "int4_compress_hook"}
 TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
                     "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
 # other libraries' local SGD (harness/peers.py): optional, unavailable without the package
@@ -453,7 +458,7 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb,
                                          overlap=kind.endswith(("_overlap", "_streaming"))
-                                         and kind != "diloco_streaming",
+                                         and not kind.startswith("diloco"),
                                          **({"mixing": args.mixing}
                                             if kind.endswith(("_overlap", "_streaming"))
                                             and args.mixing is not None else {}),
