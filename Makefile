@@ -57,11 +57,20 @@ bench: ext
 	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8,fp16_streaming,int8_streaming,int8_streaming_half_period,diloco,torchft_diloco \
 	    --out benchmarks/results/slow_link_best_seed$$seed \
 	    --title "Slow link, best configurations against the peers: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 25mbit --seed $$seed \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,fp16_streaming,diloco,torchft_diloco \
+	    --out benchmarks/results/slow_link_25mbit_seed$$seed \
+	    --title "Slow link at 25 Mbit/s, best configurations against the peers: ~1M-parameter model, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
+	    --variants ddp,diloco,diloco_int4,diloco_int4_streaming,torchft_diloco,torchft_streaming_diloco \
+	    --out benchmarks/results/slow_link_diloco_int4_seed$$seed \
+	    --title "Slow link, the DiLoCo family over 4-bit rounds: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
 	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 
 bench-sweep: ext
 	$(PY) benchmarks/bench_diloco_sweep.py
+	$(PY) benchmarks/bench_diloco_sweep.py --sweep period8
 
 clean:
 	rm -rf $(VENV) .torch_extensions build *.egg-info
