@@ -50,10 +50,30 @@ def test_overlap_diloco_targets_from_bytes_and_step_times(bench_train):
         "(target >= 16x: met).",
         "- DiLoCo (100mbit): `diloco_fp16` 4.0x fewer bytes than DDP to DDP's target loss "
         "(target >= 16x: not met).",
+        "- Bytes to DDP's target (100mbit): fewest with `diloco`, 21.3x fewer than DDP "
+        "(target >= 100x: not met).",
     ]
     del runs["diloco_fp16"]["evals"][-1]  # never at or below the target
     lines = bench_train._overlap_diloco_targets(report.summarize(runs), "x")
-    assert lines[-1] == "- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: not met."
+    assert lines[-2] == "- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: not met."
+
+
+def test_fewest_bytes_line_counts_the_diloco_4bit_and_fragment_variants_only(bench_train):
+    runs = {
+        "ddp": _run("ddp", 0.4, [(100, 2.5), (200, 2.0)], 32e6),
+        # 1e6 B/step to 300 steps: 21.3x fewer; plain averaging is not a candidate
+        "allreduce": _run("allreduce", 0.1, [(200, 2.2), (300, 2.0)], 1e6),
+        # 5e4 B/step to 300 steps = 1.5e7 B vs 6.4e9 B: 426.7x fewer
+        "diloco_int4": _run("diloco_int4", 0.1, [(200, 2.2), (300, 1.99)], 5e4),
+        # 1e5 B/step to 200 steps = 2e7 B: 320x fewer
+        "int4_streaming": _run("int4_streaming", 0.1, [(200, 2.0)], 1e5),
+    }
+    lines = bench_train._overlap_diloco_targets(report.summarize(runs), "p")
+    assert lines[-1] == ("- Bytes to DDP's target (p): fewest with `diloco_int4`, 426.7x fewer "
+                         "than DDP (target >= 100x: met).")
+    del runs["diloco_int4"], runs["int4_streaming"]
+    assert not any("Bytes to" in line for line in
+                   bench_train._overlap_diloco_targets(report.summarize(runs), "p"))
 
 
 def test_hierarchical_line_compares_with_flat_averaging(bench_train):
