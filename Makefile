@@ -57,6 +57,10 @@ bench: ext
 	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8,fp16_streaming,int8_streaming,int8_streaming_half_period,diloco,torchft_diloco \
 	    --out benchmarks/results/slow_link_best_seed$$seed \
 	    --title "Slow link, best configurations against the peers: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,accelerate_localsgd,allreduce,fp16,int8,int4,fp16_streaming,int8_streaming,int4_streaming,powersgd,powersgd_r32,diloco,diloco_streaming,torchft_diloco,torchft_streaming_diloco \
+	    --out benchmarks/results/slow_link_seed$$seed \
+	    --title "Slow link, the peers side by side: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 25mbit --seed $$seed \
 	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,fp16_streaming,diloco,torchft_diloco \
 	    --out benchmarks/results/slow_link_25mbit_seed$$seed \
