@@ -31,8 +31,17 @@ def _rank_uneven(rank, world_size, weighting, hook_name, rounds, sleep_s):
                                          period=EverySeconds(0.3, weighting=weighting),
                                          warmup_steps=2)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    # one reading per step, so that is_averaging_step() and step() agree; from the start of
+    # a round on, the real clock, so that its completion is stamped when it completes
     now = [time.monotonic()]
-    handle._plan._clock = lambda: now[0]  # one reading per step: the check and step() agree
+    handle._plan._clock = lambda: time.monotonic() if now[0] is None else now[0]
+    plan_started = handle._plan.started
+
+    def started(step, fragment):
+        now[0] = None
+        plan_started(step, fragment)
+
+    handle._plan.started = started
     step, last_round_step, checks = 0, 2, []
     anchor = None
     while handle.rounds_started < rounds:
