@@ -454,14 +454,13 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
     kind = name
     if name.endswith("_half_period"):
         kind, period = name.removesuffix("_half_period"), max(1, args.period // 2)
+    # DiLoCo's rounds block, as in the paper (and torchft); the other fragment variants overlap
+    overlap = kind.endswith(("_overlap", "_streaming")) and not kind.startswith("diloco")
     handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=period,
                                          warmup_steps=args.warmup,
-                                         bucket_cap_mb=args.bucket_cap_mb,
-                                         overlap=kind.endswith(("_overlap", "_streaming"))
-                                         and not kind.startswith("diloco"),
+                                         bucket_cap_mb=args.bucket_cap_mb, overlap=overlap,
                                          **({"mixing": args.mixing}
-                                            if kind.endswith(("_overlap", "_streaming"))
-                                            and args.mixing is not None else {}),
+                                            if overlap and args.mixing is not None else {}),
                                          **({"fragments": args.fragments}
                                             if kind.endswith("_streaming") else {}))
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
