@@ -6,14 +6,15 @@ Example:
     (True, True)
 """
 
-from . import grad_hooks, hierarchy, hooks, memory, ops, rounds, schedules
+from . import collectives, grad_hooks, hierarchy, hooks, memory, ops, rounds, schedules, storage
 from .bucket import ParamBucket
-from .handle import AveragingHandle, AveragingStats
+from .errors import AveragingHookError
+from .handle import AveragingHandle
 from .optim import AveragingOptimizer
 from .options import AveragingOptions
 from .protocol import HookSpec, averaging_hook, hook_spec, needs_anchor
 from .registry import register_averaging_hook
-from .rounds import AveragingHookError
+from .rounds import AveragingStats
 
 __all__ = [
     "AveragingHandle",
@@ -24,6 +25,7 @@ __all__ = [
     "HookSpec",
     "ParamBucket",
     "averaging_hook",
+    "collectives",
     "grad_hooks",
     "hierarchy",
     "hook_spec",
@@ -34,5 +36,6 @@ __all__ = [
     "register_averaging_hook",
     "rounds",
     "schedules",
+    "storage",
 ]
 __version__ = "0.1.0"

@@ -43,7 +43,8 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def _views(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def split_like(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``params``, back to back, in order."""
     out, off = [], 0
     for p in params:
         n = p.numel()
@@ -60,7 +61,7 @@ def flatten(
     params: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
     """``out <- cat([p.flatten() for p in params]) * scale``, cast to ``out.dtype``; returns ``out``."""
-    views = _views(out, params)
+    views = split_like(out, params)
     if scale is None:
         for v, p in zip(views, params):
             v.copy_(p)
@@ -74,7 +75,7 @@ def flatten(
 @torch.no_grad()
 def unflatten_(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     """Copy ``flat`` into ``params`` in place, casting to each parameter's dtype."""
-    for v, p in zip(_views(flat, params), params):
+    for v, p in zip(split_like(flat, params), params):
         p.copy_(v)
 
 
@@ -86,7 +87,7 @@ def delta(
     scale: float = 1.0,
 ) -> torch.Tensor:
     """``out <- (anchor - flatten(params)) * scale``, cast to ``out.dtype``; returns ``out``."""
-    for a, p, o in zip(_views(anchor, params), params, _views(out, params)):
+    for a, p, o in zip(split_like(anchor, params), params, split_like(out, params)):
         ct = _compute_dtype(a.dtype, p.dtype, o.dtype)
         o.copy_((a.to(ct) - p.to(ct)) * scale)  # out-of-place: never touch anchor or p
     return out
@@ -101,10 +102,10 @@ def apply_(
     The anchor receives exactly the values the parameters hold afterwards: ``flat``
     rounded to each parameter's dtype (the anchor must share the parameters' dtype).
     """
-    for v, p in zip(_views(flat, params), params):
+    for v, p in zip(split_like(flat, params), params):
         p.copy_(v)
     if anchor is not None:
-        for a, p in zip(_views(anchor, params), params):
+        for a, p in zip(split_like(anchor, params), params):
             a.copy_(p)
 
 
@@ -114,8 +115,8 @@ def feedback_cast(anchor: torch.Tensor, params: Sequence[torch.Tensor], residual
     """Error-feedback rounding of the scaled change: with ``x = (anchor - flatten(params))
     * scale + residual``, ``out <- x`` rounded to ``out.dtype`` and ``residual <- x - out``
     rounded to ``residual.dtype`` (what the rounding lost); returns ``out``."""
-    for a, p, r, o in zip(_views(anchor, params), params, _views(residual, params),
-                          _views(out, params)):
+    for a, p, r, o in zip(split_like(anchor, params), params, split_like(residual, params),
+                          split_like(out, params)):
         ct = _compute_dtype(a.dtype, p.dtype, r.dtype, o.dtype)
         x = (a.to(ct) - p.to(ct)) * scale + r.to(ct)
         o.copy_(x)
@@ -127,7 +128,7 @@ def feedback_cast(anchor: torch.Tensor, params: Sequence[torch.Tensor], residual
 def apply_delta_(anchor: torch.Tensor, change: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     """``params <- anchor - change`` in place (rounded to each parameter's dtype), then
     ``anchor <- params``: a round whose result is the averaged change."""
-    for a, c, p in zip(_views(anchor, params), _views(change, params), params):
+    for a, c, p in zip(split_like(anchor, params), split_like(change, params), params):
         ct = _compute_dtype(a.dtype, c.dtype, p.dtype)
         p.copy_(a.to(ct) - c.to(ct))
         a.copy_(p)
@@ -144,7 +145,7 @@ def _groups(
     One group per parameter dtype: the compute dtype is fixed within a group, and
     CUDA's fused foreach kernels want one dtype per list.
     """
-    views = [_views(f, params) for f in flats]
+    views = [split_like(f, params) for f in flats]
     groups: dict[torch.dtype, tuple[list[torch.Tensor], ...]] = {}
     for i, p in enumerate(params):
         if p.numel() == 0:
@@ -208,7 +209,7 @@ def _scaled(
     limit = _CPU_CHUNK if dev.type == "cpu" else sum(t.numel() for t in dst)
     lists = (dst, first) if minus is None else (dst, first, minus)
     for (d, f, *m), n in _batches(limit, *lists):
-        sc = _views(_scratch(n, ct, dev), d)
+        sc = split_like(_scratch(n, ct, dev), d)
         torch._foreach_copy_(sc, f)  # exact: ct holds every value of f's dtype
         if m:
             torch._foreach_sub_(sc, m[0])
@@ -272,12 +273,12 @@ def foreach_feedback_cast(anchor: torch.Tensor, params: Sequence[torch.Tensor],
         ct = _compute_dtype(anchor.dtype, dt, residual.dtype, out.dtype)
         for (p, a, r, o), n in _batches(_chunk_limit(ps), ps, av, rv, ov):
             dev = p[0].device
-            x = _views(_scratch(n, ct, dev), p)
+            x = split_like(_scratch(n, ct, dev), p)
             torch._foreach_copy_(x, a)
             torch._foreach_sub_(x, p)
             if scale != 1.0:
                 torch._foreach_mul_(x, scale)
-            wide = _views(_scratch(n, ct, dev, slot=1), p)
+            wide = split_like(_scratch(n, ct, dev, slot=1), p)
             torch._foreach_copy_(wide, r)  # exact widening: same-dtype ops from here on
             torch._foreach_add_(x, wide)
             torch._foreach_copy_(o, x)  # the rounding to the output dtype
@@ -300,8 +301,8 @@ def foreach_apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
         ct = _compute_dtype(anchor.dtype, change.dtype, dt)
         for (a, c), n in _batches(_chunk_limit(ps), av, cv):
             dev = a[0].device
-            x = _views(_scratch(n, ct, dev), a)
-            widened = _views(_scratch(n, ct, dev, slot=1), a)
+            x = split_like(_scratch(n, ct, dev), a)
+            widened = split_like(_scratch(n, ct, dev, slot=1), a)
             torch._foreach_copy_(x, a)
             torch._foreach_copy_(widened, c)  # same-dtype sub: the fast path on CPU
             torch._foreach_sub_(x, widened)

@@ -2,21 +2,60 @@
 
 A ``ParamBucket`` is to an averaging hook what DDP's ``GradBucket`` is to a comm hook:
 the unit a hook works on. Buckets are built once, at registration, and never rebuilt.
+Where a bucket's tensors live is its storage's job (:mod:`ddp_avg_hooks.storage`); what
+one round knows about a bucket is a :class:`BucketRound`, made by the round engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from . import ops
-from ._bucket_rounds import BucketRounds, split_like
+from .storage import DeviceStorage
 
-__all__ = ["ParamBucket", "assign_buckets", "split_like"]
+__all__ = ["BucketRound", "ParamBucket", "assign_buckets"]
 
 
-class ParamBucket(BucketRounds):
+class BucketRound:
+    """What one round knows about one bucket.
+
+    Made by :meth:`ParamBucket.begin_round`; the hook's calls fill it in (``buffer()``
+    loads, ``mark_result_as_delta()``, ``defer()``, ``record_sent()``), the round engine
+    reads it. A bucket outside any round has an idle one, which runs deferred calls at
+    once.
+
+    Attributes:
+        scale: this rank's weight: the hook sees its change since the anchor scaled by it.
+        overlapped: the round runs while training goes on (hooks must not wait for it).
+        loaded: ``buffer()`` holds this round's values.
+        result_is_delta: the hook's result is the averaged change ``anchor - new``.
+        bytes_sent: bytes the hook handed to collectives.
+    """
+
+    __slots__ = ("scale", "overlapped", "loaded", "result_is_delta", "bytes_sent", "_deferred")
+
+    def __init__(self, scale: float = 1.0, *, overlapped: bool = False, deferring: bool = False):
+        self.scale, self.overlapped = scale, overlapped
+        self.loaded = self.result_is_delta = False
+        self.bytes_sent = 0
+        self._deferred: list | None = [] if deferring else None
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Keep ``fn`` for :meth:`take_deferred`, or run it at once when not deferring."""
+        if self._deferred is None:
+            fn()
+        else:
+            self._deferred.append(fn)
+
+    def take_deferred(self) -> list[Callable[[], None]]:
+        """The calls deferred so far; later ones run at once."""
+        deferred, self._deferred = self._deferred or [], None
+        return deferred
+
+
+class ParamBucket:
     """A group of parameters of one (device, dtype) and a persistent flat buffer.
 
     In a round, :meth:`buffer` holds the parameters (copied on first use); the hook
@@ -30,14 +69,24 @@ class ParamBucket(BucketRounds):
     or the registration passes ``keep_anchor=True``. Anchors cost one copy of the
     parameters, so buckets of other hooks do not keep them.
 
-    Public surface: the ``GradBucket`` shape (:meth:`index`, :meth:`buffer`,
+    For hooks: the ``GradBucket`` shape (:meth:`index`, :meth:`buffer`,
     :meth:`parameters`, :meth:`is_last`, :meth:`set_buffer`) plus :meth:`numel`,
-    :meth:`anchor`, :meth:`delta`, :meth:`workspace`, :meth:`mark_result_as_delta`,
-    :meth:`memory`, :meth:`new_state`, :meth:`record_sent` and the ``device`` / ``dtype``
-    / ``state_device`` attributes.
-    Methods starting with ``_`` belong to the round engine. The flat buffer is allocated
-    on first use, so a hook that never calls :meth:`buffer` or :meth:`workspace` (one
-    that returns the averaged change, say) costs no memory for it.
+    :meth:`anchor`, :meth:`stored_anchor`, :meth:`delta`, :meth:`scaled_buffer`,
+    :meth:`workspace`, :meth:`scratch`, :meth:`mark_result_as_delta`,
+    :meth:`mark_result_as_values`, :attr:`result_is_delta`, :meth:`defer`,
+    :meth:`new_state`, :meth:`memory`, :meth:`record_sent`, :attr:`overlapped` and the
+    ``device`` / ``dtype`` / ``state_device`` / ``offloaded`` attributes. For the round
+    engine: :meth:`begin_round`, :meth:`apply`, :meth:`reset_anchor`,
+    :meth:`launch_snapshot`, :meth:`state_dict`, :meth:`load_state_dict`,
+    :meth:`layout` and :meth:`memory_tensors`.
+
+    Args:
+        index: the bucket's position among the registration's buckets.
+        params: its parameters (one device and dtype, at least one).
+        is_last: whether it is the registration's last bucket.
+        keep_anchor: keep the parameters as of the last round (see above).
+        storage: ``storage(params)`` makes the object that holds the bucket's tensors
+            (:class:`~ddp_avg_hooks.storage.DeviceStorage` by default).
 
     Example:
         >>> import torch
@@ -54,18 +103,9 @@ class ParamBucket(BucketRounds):
         [0.0, 0.0, 0.0, 0.0, -0.5, -0.5, -0.5]
     """
 
-    #: True when the bucket keeps its state in host memory (``offload_state=True``); hooks
-    #: then do best to finish each bucket before the next (see :mod:`ddp_avg_hooks.offload`)
-    offloaded = False
-
-    def __init__(
-        self,
-        index: int,
-        params: Sequence[torch.Tensor],
-        *,
-        is_last: bool,
-        keep_anchor: bool = False,
-    ) -> None:
+    def __init__(self, index: int, params: Sequence[torch.Tensor], *, is_last: bool,
+                 keep_anchor: bool = False,
+                 storage: Callable[[list[torch.Tensor]], DeviceStorage] = DeviceStorage) -> None:
         if not params:
             raise ValueError("ParamBucket needs at least one parameter")
         first = params[0]
@@ -75,35 +115,28 @@ class ParamBucket(BucketRounds):
                     "ParamBucket parameters must share one device and dtype; got "
                     f"{first.device}/{first.dtype} and {p.device}/{p.dtype}"
                 )
-        self._index = index
-        self._params = list(params)
-        self._is_last = is_last
+        self._index, self._is_last = index, is_last
+        self._storage = storage(list(params))
         self.device, self.dtype = first.device, first.dtype
-        self.state_device = self.device  # where anchors and hook memory live
-        self._numel = sum(p.numel() for p in self._params)
-        self._flat: torch.Tensor | None = None  # the buffer, allocated on first use
-        self._loaded = False  # whether _buffer holds this round's values
-        self._delta_scale = 1.0  # this rank's weight in the round (see _start_round)
-        self._result_is_delta = False  # see mark_result_as_delta
-        self._overlapped = False  # whether this round overlaps training (see _start_round)
-        self._anchor: torch.Tensor | None = None
+        self._numel = self._storage.numel
         if keep_anchor:
-            self._anchor = self._empty()
-            self._reset_anchor()
-        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+            self._storage.keep_anchor()
+        self._round = BucketRound()
+        self._scratch: dict[object, torch.Tensor] = {}
         self._memory: dict[str, torch.Tensor] = {}
         self._launch: torch.Tensor | None = None  # parameters when an overlapped round began
-        self._bytes_sent = 0
-        self._deferred: list | None = None  # this round's defer() calls, while the engine runs it
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self._numel, dtype=self.dtype, device=self.device)
 
     @property
-    def _buffer(self) -> torch.Tensor:
-        if self._flat is None:
-            self._flat = self._empty()
-        return self._flat
+    def state_device(self) -> torch.device:
+        """Where anchors and hook memory live: the parameters' device, or the CPU with
+        ``offload_state=True``."""
+        return self._storage.state_device
+
+    @property
+    def offloaded(self) -> bool:
+        """True when the bucket keeps its state in host memory (``offload_state=True``);
+        hooks then do best to finish each bucket before the next."""
+        return self._storage.offloaded
 
     # --- the GradBucket-shaped interface -------------------------------------------
     def index(self) -> int:
@@ -114,35 +147,40 @@ class ParamBucket(BucketRounds):
         """Flat 1-D tensor of this bucket's current parameters.
 
         Filled from the parameters on the first call of a round; after that it is the
-        hook's scratch space and later calls return it as the hook left it.
+        hook's scratch space and later calls return it as the hook left it. In a
+        weighted round it holds ``anchor + scale * (params - anchor)``.
         """
-        if not self._loaded:
-            self._load_parameters()
-            if self._delta_scale != 1.0:
-                self._buffer.lerp_(self.anchor(), 1.0 - self._delta_scale)
-        return self._buffer
+        rnd = self._round
+        if rnd.loaded:
+            return self._storage.buffer()
+        buf = self._storage.load()
+        rnd.loaded = True
+        if rnd.scale != 1.0:
+            buf.lerp_(self.anchor(), 1.0 - rnd.scale)
+        return buf
 
-    def _scaled_buffer(self, scale: float) -> torch.Tensor:
-        """:meth:`buffer` filled with ``parameters * scale`` in one pass.
+    def scaled_buffer(self, scale: float) -> torch.Tensor:
+        """:meth:`buffer` filled with ``parameters * scale`` in one pass (one rounding).
 
-        Equals ``buffer().div_(n)`` only for ``scale = 1 / n`` with ``n`` a power of two,
-        which is why it is not public.
+        Equals ``buffer().mul_(scale)`` bit for bit only when ``scale`` is a power of two
+        (as ``1 / world_size`` is for 2, 4, 8 ranks); otherwise it is one rounding
+        instead of two.
         """
-        if self._delta_scale != 1.0:
+        if self._round.scale != 1.0:
             return self.buffer().mul_(scale)
-        ops.flatten(self._params, self._buffer, None if scale == 1.0 else scale)
-        self._loaded = True
-        return self._buffer
+        buf = self._storage.load(None if scale == 1.0 else scale)
+        self._round.loaded = True
+        return buf
 
     def workspace(self) -> torch.Tensor:
         """The storage of :meth:`buffer` *without* filling it, for hooks that overwrite
         every element themselves (and so can skip the copy of the parameters)."""
-        self._loaded = True
-        return self._buffer
+        self._round.loaded = True
+        return self._storage.workspace()
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters of this bucket, in the order they sit in :meth:`buffer`."""
-        return list(self._params)
+        return list(self._storage.params)
 
     def is_last(self) -> bool:
         """True for the registration's last bucket (per-round state advances here)."""
@@ -155,28 +193,41 @@ class ParamBucket(BucketRounds):
                 f"set_buffer: bucket {self._index} has {self._numel} elements, "
                 f"got a tensor with {tensor.numel()}"
             )
-        self._buffer.copy_(tensor.reshape(-1))
+        self._storage.buffer().copy_(tensor.reshape(-1))
+        self._round.loaded = True
 
     # --- additions for parameter averaging -----------------------------------------
     def numel(self) -> int:
         """Number of parameter elements in this bucket."""
         return self._numel
 
-    def _has_anchor(self) -> bool:
+    def has_anchor(self) -> bool:
         """Whether this bucket keeps anchors (see the class docstring)."""
-        return self._anchor is not None
+        return self._storage.anchor is not None
+
+    def _no_anchor(self) -> RuntimeError:
+        return RuntimeError(
+            f"bucket {self._index} keeps no anchor: mark the hook with "
+            "@ddp_avg_hooks.needs_anchor or register it with keep_anchor=True"
+        )
 
     def anchor(self) -> torch.Tensor:
-        """Flat parameters as of the last averaging round, identical on every rank.
+        """Flat parameters as of the last averaging round, identical on every rank, on
+        the parameters' device (with ``offload_state=True`` a copy kept for the round).
 
         Raises ``RuntimeError`` when the hook did not ask for anchors.
         """
-        if self._anchor is None:
-            raise RuntimeError(
-                f"bucket {self._index} keeps no anchor: mark the hook with "
-                "@ddp_avg_hooks.needs_anchor or register it with keep_anchor=True"
-            )
-        return self._anchor
+        anchor = self._storage.hook_anchor()
+        if anchor is None:
+            raise self._no_anchor()
+        return anchor
+
+    def stored_anchor(self) -> torch.Tensor:
+        """The anchor where the bucket keeps it: on :attr:`state_device` (host memory
+        with ``offload_state=True``). Raises ``RuntimeError`` without an anchor."""
+        if self._storage.anchor is None:
+            raise self._no_anchor()
+        return self._storage.anchor
 
     @torch.no_grad()
     def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0,
@@ -196,20 +247,34 @@ class ParamBucket(BucketRounds):
         with no bucket-size temporary.
         """
         if out is None:
-            dtype = self.dtype if dtype is None else dtype
-            out = self._scratch.get(dtype)
-            if out is None:
-                out = self._scratch[dtype] = torch.empty(self._numel, dtype=dtype, device=self.device)
+            out = self.scratch(("delta", self.dtype if dtype is None else dtype),
+                               dtype=self.dtype if dtype is None else dtype)
         elif dtype is not None and out.dtype != dtype:
             raise TypeError(f"delta: out has dtype {out.dtype}, dtype= asks for {dtype}")
-        anchor, scale = self._anchor_for_op(), scale * self._delta_scale
+        if not self.has_anchor():
+            raise self._no_anchor()
+        storage, params = self._storage, self._storage.params
+        anchor, scale = storage.op_anchor(), scale * self._round.scale
         if residual is None:
-            return ops.delta(anchor, self._params, out, scale)
-        here = self._state_for_op(residual)
-        ops.feedback_cast(anchor, self._params, here, out, scale)
-        self._commit_state(residual, here)
+            return ops.delta(anchor, params, out, scale)
+        here = storage.for_op(residual)
+        ops.feedback_cast(anchor, params, here, out, scale)
+        storage.commit(residual, here)
         return out
 
+    def scratch(self, key, *, dtype: torch.dtype | None = None,
+                numel: int | None = None) -> torch.Tensor:
+        """A flat tensor kept for this bucket under ``key`` and reused round after round
+        (a hook's send buffer, say): not saved in checkpoints, counted as ``scratch`` by
+        ``memory_bytes()``. Made (zeros, on the parameters' device) on first use,
+        and again when ``dtype`` or ``numel`` change."""
+        dtype, numel = dtype or self.dtype, self._numel if numel is None else numel
+        t = self._scratch.get(key)
+        if t is None or t.dtype != dtype or t.numel() != numel:
+            t = self._scratch[key] = torch.zeros(numel, dtype=dtype, device=self.device)
+        return t
+
+    # --- what the hook's result is -----------------------------------------------------
     def mark_result_as_delta(self) -> None:
         """Declare that this round's future holds the averaged *change*, not new values.
 
@@ -219,8 +284,26 @@ class ParamBucket(BucketRounds):
         hook needs no bucket-size buffer for its result. Call it before the hook returns;
         it holds for this round only. Raises ``RuntimeError`` without an anchor.
         """
-        self.anchor()
-        self._result_is_delta = True
+        if not self.has_anchor():
+            raise self._no_anchor()
+        self._round.result_is_delta = True
+
+    def mark_result_as_values(self) -> None:
+        """Declare that this round's future holds new values (the default): for a hook
+        that wraps another one whose result was a change (see :attr:`result_is_delta`)."""
+        self._round.result_is_delta = False
+
+    @property
+    def result_is_delta(self) -> bool:
+        """What this round's result has been declared to be so far: ``True`` after
+        :meth:`mark_result_as_delta` (a wrapper reads it after calling the inner hook)."""
+        return self._round.result_is_delta
+
+    @property
+    def overlapped(self) -> bool:
+        """True when this round runs while training goes on: the hook must not wait for
+        its collectives (they complete while later steps run)."""
+        return self._round.overlapped
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` once every bucket of the round has been launched (each hook
@@ -235,19 +318,14 @@ class ParamBucket(BucketRounds):
         other deferred calls have run). A bucket outside a round of the engine (a hook
         called by hand) runs ``fn`` at once.
         """
-        if self._deferred is None:
-            fn()
-        else:
-            self._deferred.append(fn)
+        self._round.defer(fn)
 
     def new_state(self, dtype: torch.dtype | None = None, *, numel: int | None = None) -> torch.Tensor:
         """Zeros (``numel()`` elements, the bucket's dtype unless given) where this bucket
         keeps state across rounds: ``state_device``, the parameters' device unless the
         registration keeps state in host memory (``offload_state=True``; pinned when the
         parameters are on CUDA). Hooks create their residuals with it."""
-        pin = self.state_device.type == "cpu" and self.device.type == "cuda"
-        return torch.zeros(self._numel if numel is None else numel, dtype=dtype or self.dtype,
-                           device=self.state_device, pin_memory=pin)
+        return self._storage.new_state(dtype, numel)
 
     def memory(self) -> dict[str, torch.Tensor]:
         """Tensors a hook keeps across rounds for this bucket (say, an error-feedback residual).
@@ -264,24 +342,118 @@ class ParamBucket(BucketRounds):
         Built-in hooks call this for every tensor they communicate; user hooks should
         too, so that ``handle.stats.bytes_sent`` is right.
         """
-        self._bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self._round.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    # --- the round engine's side ---------------------------------------------------------
+    def begin_round(self, scale: float = 1.0, *, overlapped: bool = False) -> BucketRound:
+        """Start a round: :meth:`buffer` is stale, ``defer`` keeps its calls, and with
+        ``overlapped`` the parameters are snapshot (one copy, kept). Returns the round's
+        record for this bucket.
+
+        With ``scale`` != 1, :meth:`buffer` and :meth:`delta` show the change since the
+        anchor scaled by it (this rank's weight in a weighted average); the parameters
+        themselves are not touched.
+        """
+        if scale != 1.0 and not self.has_anchor():
+            raise RuntimeError(f"bucket {self._index}: a weighted round needs an anchor")
+        self._storage.end_round()
+        self._round = BucketRound(scale, overlapped=overlapped, deferring=True)
+        if overlapped:
+            if self._launch is None:
+                self._launch = self._storage.empty()
+            ops.flatten(self._storage.params, self._launch)
+        return self._round
+
+    def launch_snapshot(self) -> torch.Tensor | None:
+        """The parameters as the last overlapped round began (``None`` before any)."""
+        return self._launch
+
+    @torch.no_grad()
+    def apply(self, value: torch.Tensor, *, is_delta: bool = False, overlapped: bool = False,
+              mixing: float | None = None) -> None:
+        """Write a checked round result into the parameters in place; the anchor follows.
+
+        ``is_delta``: ``value`` is ``anchor - new``. ``overlapped``: the round ran while
+        training went on; the result is applied as ``params + (new - params_at_launch)``
+        or, with ``mixing=alpha``, as ``alpha * params + (1 - alpha) * new``, and the
+        anchor becomes ``new`` (identical on every rank).
+        """
+        storage = self._storage
+        if overlapped:
+            new = self._new_values(value) if is_delta else value
+            storage.write_with_progress(new, self._launch, mixing)
+        elif is_delta:
+            storage.write_change(value)
+        else:
+            storage.write(value)
+
+    def _new_values(self, change: torch.Tensor) -> torch.Tensor:
+        """``anchor - change`` in :meth:`workspace`, rounded as :meth:`apply` would."""
+        out, change = self.workspace(), change.reshape(-1)
+        if self.dtype == torch.float32 and change.dtype != torch.float64:
+            out.copy_(change)  # exact widening, then a same-dtype subtraction
+            return torch.sub(self.anchor(), out, out=out)
+        ct = torch.float64 if torch.float64 in (self.dtype, change.dtype) else torch.float32
+        return out.copy_(self.anchor().to(ct) - change.to(ct))
+
+    def reset_anchor(self) -> None:
+        """Make the current parameters the anchor (a no-op without anchors)."""
+        self._storage.reset_anchor()
+
+    def state_dict(self) -> dict:
+        """Anchor (or ``None``) and hook memory, cloned: this bucket's part of a checkpoint."""
+        anchor = self._storage.anchor
+        return {"anchor": None if anchor is None else anchor.clone(),
+                "memory": {k: v.clone() for k, v in self._memory.items()}}
+
+    def check_state(self, saved: dict) -> None:
+        """Raise ``ValueError`` if ``saved`` (from :meth:`state_dict`) cannot be loaded here."""
+        if self.has_anchor() and saved["anchor"] is None:
+            raise ValueError(
+                f"load_state_dict: bucket {self._index} keeps an anchor but the checkpoint "
+                "has none (was it saved by a handle without keep_anchor?)"
+            )
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore what :meth:`state_dict` saved (checked first by :meth:`check_state`)."""
+        storage = self._storage
+        storage.end_round()
+        if storage.anchor is not None:
+            storage.anchor.copy_(saved["anchor"])
+        self._memory.clear()
+        for key, t in saved["memory"].items():
+            self._memory[key] = self.new_state(t.dtype, numel=t.numel()).view(t.shape).copy_(t)
+
+    def layout(self) -> tuple:
+        """(device type, dtype, shapes): what must agree across ranks."""
+        return (self.device.type, str(self.dtype), tuple(tuple(p.shape) for p in self._storage.params))
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(kind, tensor)`` for every tensor this bucket holds (see :mod:`ddp_avg_hooks.memory`)."""
+        yield from self._storage.tensors()
+        yield from (("scratch", t) for t in self._scratch.values())
+        if self._launch is not None:
+            yield "scratch", self._launch
+        yield from (("residuals", t) for t in self._memory.values())
 
     def __repr__(self) -> str:
         return (
-            f"ParamBucket(index={self._index}, params={len(self._params)}, "
+            f"ParamBucket(index={self._index}, params={len(self._storage.params)}, "
             f"numel={self._numel}, dtype={self.dtype}, device={self.device})"
         )
 
 
 def assign_buckets(
     params: Iterable[torch.Tensor], bucket_cap_mb: float, *, keep_anchor: bool = False,
-    bucket_type: type | None = None, first_index: int = 0, ends: bool = True, **bucket_kw,
+    storage: Callable[[list[torch.Tensor]], DeviceStorage] = DeviceStorage,
+    first_index: int = 0, ends: bool = True,
 ) -> list[ParamBucket]:
     """Group ``params`` into buckets of one (device, dtype) and at most ``bucket_cap_mb``.
 
     Parameters keep their order; a parameter larger than the cap gets a bucket of its
     own. Buckets are numbered by their first parameter's position, from ``first_index``;
     the last one is ``is_last()`` when ``ends`` (the registration's last bucket).
+    ``storage`` places each bucket's tensors (see :mod:`ddp_avg_hooks.storage`).
 
     Example:
         >>> import torch
@@ -303,9 +475,8 @@ def assign_buckets(
             groups.append(group)
         group.append(p)
         open_group[key] = (group, size + nbytes)
-    make = bucket_type or ParamBucket
     return [
-        make(first_index + i, g, is_last=ends and i == len(groups) - 1, keep_anchor=keep_anchor,
-             **bucket_kw)
+        ParamBucket(first_index + i, g, is_last=ends and i == len(groups) - 1,
+                    keep_anchor=keep_anchor, storage=storage)
         for i, g in enumerate(groups)
     ]

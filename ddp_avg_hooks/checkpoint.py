@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_int
+from .optim import AveragingOptimizer
 
 _PREFIX = "round-"
 
@@ -129,6 +130,14 @@ class RoundCheckpointer:
         self._saved_at = handle.rounds_started
         self._session: str | None = None  # agreed by the ranks at restore() or the first save
 
+    def _local_optimizer(self):
+        """The optimizer whose state is saved beside the handle's: an
+        ``AveragingOptimizer`` of this handle carries the handle's state in its own
+        ``state_dict()``, which is saved once, under ``"averaging"``, so its inner one."""
+        if isinstance(self.optimizer, AveragingOptimizer) and self.optimizer.handle is self.handle:
+            return self.optimizer.optimizer
+        return self.optimizer
+
     # --- saving -----------------------------------------------------------------------
     def maybe_save(self) -> bool:
         """Save if a round ran since the last call and it is an ``every_rounds``-th one.
@@ -155,13 +164,13 @@ class RoundCheckpointer:
         session = self._agreed_session()
         # a marker left by an earlier attempt at this round must not vouch for the new files
         (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
-        own_model = self.handle._options.overlap
+        own_model = self.handle.options.overlap
         if own_model:
             _atomic_save(self.model.state_dict(), folder / f"model_rank{self.rank}.pt")
         elif self.rank == 0:
             _atomic_save(self.model.state_dict(), folder / "model.pt")
         state = {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._local_optimizer().state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "averaging": self.handle.state_dict(),
             "rng": _rng_state(),
@@ -273,7 +282,7 @@ class RoundCheckpointer:
         state = torch.load(folder / f"rank{self.rank}.pt", weights_only=False)
         self._load_model(folder, own=state["own_model"])
         self.handle.load_state_dict(state["averaging"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._local_optimizer().load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])

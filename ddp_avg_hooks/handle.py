@@ -1,59 +1,43 @@
-"""``AveragingHandle``: the step counter, the public calls, stats and checkpoints.
+"""``AveragingHandle``: the step counter, the schedule, the public calls and checkpoints.
 
-The rounds themselves run in :mod:`ddp_avg_hooks.rounds`; what else a round does is a
-policy (:mod:`~ddp_avg_hooks.policies`) or an observer (:mod:`~ddp_avg_hooks.observers`).
+A round itself is the round engine's (:mod:`ddp_avg_hooks.rounds`); the handle decides
+when one runs (:mod:`ddp_avg_hooks.planner`), keeps the overlapped rounds in flight, and
+saves and restores its state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 import torch.distributed as dist
 
 from . import memory
 from .bucket import ParamBucket
-from .observers import Reporter
+from .options import AveragingOptions
 from .planner import RoundPlanner
-from ._saved_state import HandleCheckpointing, difference
-from ._step_hooks import StepHooks
-from .rounds import PendingRound, RoundEngine
-from ._weights import RoundWeights
+from .rounds import AveragingStats, Round, RoundEngine
+from .step_hooks import StepHooks
 
 __all__ = ["AveragingHandle", "AveragingStats", "difference"]
 
-
-@dataclasses.dataclass
-class AveragingStats:
-    """What averaging has cost so far on this rank.
-
-    Attributes:
-        rounds: averaging rounds completed.
-        bytes_sent: bytes of the tensors this rank handed to collectives for averaging
-            (as recorded by hooks with ``bucket.record_sent``, plus buffers and
-            optimizer state when those are averaged).
-        seconds: wall-clock seconds spent in rounds (copies, hooks, waits, write-back).
-        wait_seconds: the part of ``seconds`` spent waiting for hooks' futures.
-        last_round_bytes: ``bytes_sent`` of the latest round.
-        consensus_distance: with ``track_consensus=True``, the mean over ranks of
-            ``||params_r - average||^2`` (all parameters) at the latest round.
-    """
-
-    rounds: int = 0
-    bytes_sent: int = 0
-    seconds: float = 0.0
-    wait_seconds: float = 0.0
-    last_round_bytes: int = 0
-    consensus_distance: float | None = None
-
-    @property
-    def bytes_per_round(self) -> float:
-        """Mean bytes this rank sent per round."""
-        return self.bytes_sent / self.rounds if self.rounds else 0.0
+# the keys of state_dict() that load_state_dict() needs
+_KEYS = ("step_count", "next_round", "plan", "weight_totals", "config", "schedule", "anchors",
+         "bucket_memory", "stats")
 
 
-class AveragingHandle(HandleCheckpointing):
+def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str = "here") -> str:
+    """One sentence naming where two configs (see :meth:`AveragingHandle.config`) differ."""
+    if key == "layout":
+        if len(theirs) != len(mine):
+            return (f"the bucket layout differs: {len(theirs)} buckets {theirs_at}, "
+                    f"{len(mine)} {mine_at}")
+        i = next(i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b)
+        return f"the bucket layout differs at bucket {i}: {theirs[i]} {theirs_at}, {mine[i]} {mine_at}"
+    return f"{key!r} differs: {theirs!r} {theirs_at}, {mine!r} {mine_at}"
+
+
+class AveragingHandle:
     """What :func:`register_averaging_hook` returns: the schedule and the rounds.
 
     Call :meth:`step` after every optimizer step (or register with ``optimizer=``).
@@ -95,29 +79,35 @@ class AveragingHandle(HandleCheckpointing):
         >>> handle.remove(); dist.destroy_process_group()
     """
 
-    def __init__(self, ddp_model, engine: RoundEngine, options, *, policies=(), observers=()) -> None:
+    def __init__(self, engine: RoundEngine, options: AveragingOptions, *,
+                 grad_process_group=None) -> None:
         self._engine = engine
         self.state = engine.state
         self._options = options
         self._schedule = options.schedule
-        self._warmup_steps = options.warmup_steps
         self._plan = RoundPlanner(options.schedule, warmup_steps=options.warmup_steps,
                                   fragments=len(engine.fragments))
+        #: the group the rounds average over
         self.process_group = engine.exact_group
-        self.grad_process_group = getattr(ddp_model, "process_group", None) or dist.group.WORLD
-        self._policies, self._reporter = list(policies), Reporter(list(observers))
+        #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
+        self.grad_process_group = grad_process_group or dist.group.WORLD
         self._optimizer_hook = None
-        self._in_flight: list[PendingRound] = []  # overlapped rounds, in launch order
+        self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
         self._removed = False
-        self.stats = AveragingStats()
         self._schedule.bind(self.process_group)
-        self._weighted = getattr(self._schedule, "weighted", False) and \
-            dist.get_world_size(self.process_group) > 1
-        self._weights = RoundWeights(world=dist.get_world_size(self.process_group),
-                                     fragments=len(engine.fragments), linear=engine.linear)
 
     # --- schedule ---------------------------------------------------------------------
+    @property
+    def options(self) -> AveragingOptions:
+        """The registration's settings (read-only use)."""
+        return self._options
+
+    @property
+    def stats(self) -> AveragingStats:
+        """What averaging has cost so far on this rank (see :class:`AveragingStats`)."""
+        return self._engine.stats
+
     @property
     def step_count(self) -> int:
         """Number of ``step()`` calls so far."""
@@ -134,13 +124,20 @@ class AveragingHandle(HandleCheckpointing):
         """How many fragments of the model take turns (``fragments=`` at registration)."""
         return len(self._engine.fragments)
 
-    schedule = property(lambda self: self._schedule, doc="The period schedule object.")
-    warmup_steps = property(lambda self: self._warmup_steps, doc="Steps before the first round.")
+    @property
+    def schedule(self):
+        """The period schedule object."""
+        return self._schedule
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps before the first round."""
+        return self._options.warmup_steps
 
     @property
     def in_warmup(self) -> bool:
         """True while ``step_count < warmup_steps``: gradients are still averaged every step."""
-        return self._step_count < self._warmup_steps
+        return self._step_count < self._options.warmup_steps
 
     @property
     def buckets(self) -> list[ParamBucket]:
@@ -149,6 +146,7 @@ class AveragingHandle(HandleCheckpointing):
 
     @property
     def hook_name(self) -> str:
+        """``module.qualname`` of the registered hook."""
         return self._engine.name
 
     @property
@@ -171,23 +169,23 @@ class AveragingHandle(HandleCheckpointing):
         self._check_alive("step")
         if self._plan.timed:  # applying a round starts the clock of the next one
             overdue = self._plan.in_round_for() >= self._schedule.seconds
-            for pending in list(self._in_flight):
-                if pending.done() or overdue:
-                    self._finish(pending)
+            for rnd in list(self._in_flight):
+                if rnd.done() or overdue:
+                    self._finish(rnd)
         fragment = self._plan.due(self._step_count)
         averaging = fragment is not None
-        for pending in list(self._in_flight):
-            if pending.done() or (averaging and self._must_finish_before(pending, fragment)):
-                self._finish(pending)
+        for rnd in list(self._in_flight):
+            if rnd.done() or (averaging and self.must_finish_before(rnd, fragment)):
+                self._finish(rnd)
         if averaging:
-            self._reporter.report_deferred(self)
-            pending = self._launch(overlapped=self._options.overlap, fragment=fragment)
-            if not pending.overlapped:
-                self._finish(pending)
-        elif self._step_count == self._warmup_steps - 1:
+            self._engine.report_deferred(self)
+            rnd = self._launch(overlapped=self._options.overlap, fragment=fragment)
+            if not rnd.overlapped:
+                self._finish(rnd)
+        elif self._step_count == self._options.warmup_steps - 1:
             # Warm-up kept the replicas identical; start the deltas from here.
             for bucket in self._engine.buckets:
-                bucket._reset_anchor()
+                bucket.reset_anchor()
         self._step_count += 1
         return averaging
 
@@ -195,84 +193,143 @@ class AveragingHandle(HandleCheckpointing):
         """Average now, outside the schedule (collective; the counter does not move)."""
         self._check_alive("average")
         self.synchronize()
-        self._reporter.report_deferred(self)
+        self._engine.report_deferred(self)
         self._finish(self._launch(overlapped=False))
 
     def synchronize(self) -> None:
         """Finish the overlapped rounds in flight, if any (waits for them)."""
-        for pending in list(self._in_flight):
-            self._finish(pending)
+        for rnd in list(self._in_flight):
+            self._finish(rnd)
 
-    def _must_finish_before(self, pending: PendingRound, fragment: int) -> bool:
+    @property
+    def rounds_in_flight(self) -> list[Round]:
+        """The overlapped rounds launched and not yet applied, oldest first."""
+        return list(self._in_flight)
+
+    @property
+    def planner(self) -> RoundPlanner:
+        """Which fragment a step averages, and each rank's local steps (read-only use)."""
+        return self._plan
+
+    def must_finish_before(self, rnd: Round, fragment: int) -> bool:
         """Whether an overlapped round in flight must be applied before ``fragment``'s
         round starts: one of the same fragment (with ``fragments=1``, every one), and
         every one when an observer's report is collective (all ranks must have finished
         the same rounds when it runs)."""
-        return pending.fragment == fragment or any(o.collective for o in self._reporter.observers)
+        return rnd.fragment == fragment or self._engine.collective_reports
 
-    # --- one round: the engine runs it, policies and observers hang off it -----------
-    def _launch(self, *, overlapped: bool, fragment: int | None = None) -> PendingRound:
+    def _launch(self, *, overlapped: bool, fragment: int | None = None) -> Round:
         """Launch a round of ``fragment`` (a scheduled one) or of everything (``None``)."""
         where = f"round {self._rounds_started + 1}, step {self._step_count}"
-        # the policies' extras (buffers, optimizer state) go with the first fragment
-        extras = [b for policy in self._policies for b in policy.buckets()] if not fragment else []
-        scale, exchange = 1.0, None
+        local_steps = None
         if fragment is not None:
-            if self._weighted:
-                scale, exchange = self._weights.start(
-                    self._plan.local_steps(self._step_count, fragment), fragment,
-                    self.process_group, where)
+            local_steps = self._plan.local_steps(self._step_count, fragment)
             self._plan.started(self._step_count, fragment)
         try:
-            pending = self._engine.launch(overlapped=overlapped, extras=extras, where=where,
-                                          fragment=fragment, delta_scale=scale)
+            rnd = self._engine.launch(overlapped=overlapped, where=where, fragment=fragment,
+                                      local_steps=local_steps)
         except BaseException:
             if fragment is not None:
                 self._plan.finished()  # a failed round too: the schedule goes on
             raise
-        pending.weights = exchange
         self._rounds_started += 1
         if overlapped:
-            self._in_flight.append(pending)
+            self._in_flight.append(rnd)
             if self._plan.timed:  # the next round's clock starts as this one completes
-                pending.record_completion(self._plan.clock)
-        return pending
+                rnd.record_completion(self._plan.clock)
+        return rnd
 
-    def _finish(self, pending: PendingRound) -> None:
-        self._in_flight = [p for p in self._in_flight if p is not pending]
+    def _finish(self, rnd: Round) -> None:
+        self._in_flight = [r for r in self._in_flight if r is not rnd]
         try:
-            self._apply(pending)
+            self._engine.finish(rnd, self)
         finally:  # a failed round too: the schedule goes on
-            if pending.fragment is not None and not self._in_flight:
-                self._plan.finished(pending.completed_at)
-
-    def _apply(self, pending: PendingRound) -> None:
-        try:
-            factor = 1.0 if pending.weights is None else \
-                self._weights.correction(pending.weights, pending.where)
-            finished = self._engine.collect(pending)
-        finally:
-            self.stats.bytes_sent += pending.bytes_sent
-            self.stats.last_round_bytes = pending.bytes_sent
-        self.stats.wait_seconds += finished.wait_seconds
-        if factor != 1.0:
-            self._engine.rescale(pending, finished, factor)
-        measured = self._reporter.measure(pending.buckets, finished)
-        self._engine.write_back(pending, finished)
-        for policy in self._policies:
-            policy.after_write_back()
-        self.stats.rounds += 1
-        # Ranks apply an overlapped round at different steps, so its collective reports
-        # wait for a step every rank shares: the next round (or average()).
-        self._reporter.report_collective(self, self.stats.rounds, measured,
-                                         overlapped=pending.overlapped)
-        self.stats.seconds += time.perf_counter() - pending.started
-        self._reporter.report_local(self, self.stats.rounds, measured)
+            if rnd.fragment is not None and not self._in_flight:
+                self._plan.finished(rnd.completed_at)
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes this registration holds, ``{kind: {device: bytes}}`` (see :mod:`ddp_avg_hooks.memory`)."""
-        policy_buckets = [b for policy in self._policies for b in policy.held_buckets()]
-        return memory.count(self._engine.buckets, self.state, policy_buckets)
+        return memory.count(self._engine.buckets, self.state,
+                            [b for p in self._engine.policies for b in p.held_buckets()])
+
+    # --- checkpoints ------------------------------------------------------------------
+    def config(self) -> dict:
+        """What every rank, and a checkpoint being loaded, must agree on."""
+        return {
+            "hook": self._engine.name,
+            "period": self._schedule.describe(),
+            "warmup_steps": self._options.warmup_steps,
+            "overlap": self._options.overlap,
+            "fragments": len(self._engine.fragments),
+            "layout": [b.layout() for b in self._engine.buckets],
+        }
+
+    def state_dict(self) -> dict:
+        """This rank's averaging state: counter, anchors, hook state, stats, config.
+
+        Tensors and plain values only, so ``torch.save`` takes it; it differs between
+        ranks (error feedback, local progress), so save one per rank.
+        """
+        self._check_alive("state_dict")
+        self.synchronize()
+        saved = [b.state_dict() for b in self._engine.buckets]
+        out = {
+            "step_count": self._step_count,
+            "next_round": min(self._plan.next_rounds),
+            "plan": self._plan.state_dict(),
+            "weight_totals": self._engine.weights.state_dict(),
+            "config": self.config(),
+            "schedule": self._schedule.state_dict(),
+            "anchors": [s["anchor"] for s in saved],
+            "bucket_memory": [s["memory"] for s in saved],
+            "stats": dataclasses.asdict(self.stats),
+        }
+        if hasattr(self.state, "state_dict"):
+            out["hook_state"] = self.state.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved (on this rank, into a fresh handle).
+
+        Raises ``ValueError`` naming the first difference when the checkpoint was made
+        with another hook, period, warm-up or bucket layout; nothing is changed then.
+        """
+        self._check_alive("load_state_dict")
+        if not isinstance(state_dict, dict) or not all(k in state_dict for k in _KEYS):
+            raise TypeError(
+                "load_state_dict: expected the dict returned by AveragingHandle.state_dict(), "
+                f"got {type(state_dict).__name__}"
+                + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
+            )
+        self.synchronize()
+        buckets = self._engine.buckets
+        saved = [{"anchor": a, "memory": m}
+                 for a, m in zip(state_dict["anchors"], state_dict["bucket_memory"])]
+        for key, mine in self.config().items():
+            theirs = state_dict["config"].get(key)
+            if theirs != mine:
+                raise ValueError(f"load_state_dict: {difference(key, theirs, mine)}; "
+                                 "register with the same settings to resume")
+        for bucket, entry in zip(buckets, saved):
+            bucket.check_state(entry)
+        has_hook_state = hasattr(self.state, "load_state_dict")
+        if has_hook_state != ("hook_state" in state_dict):
+            raise ValueError(
+                "load_state_dict: the checkpoint "
+                + ("has no hook state but this hook's state needs one"
+                   if has_hook_state else "has a hook state but this hook's state takes none")
+            )
+        if has_hook_state:
+            self.state.load_state_dict(state_dict["hook_state"])
+        self._schedule.load_state_dict(state_dict["schedule"])
+        for bucket, entry in zip(buckets, saved):
+            bucket.load_state_dict(entry)
+        for field in dataclasses.fields(self.stats):  # in place: the stats object stays
+            setattr(self.stats, field.name, state_dict["stats"][field.name])
+        self._step_count = int(state_dict["step_count"])
+        self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
+        self._plan.load_state_dict(state_dict["plan"])
+        self._engine.weights.load_state_dict(state_dict["weight_totals"])
 
     # --- lifecycle --------------------------------------------------------------------
     def _check_alive(self, what: str) -> None:
@@ -284,6 +341,11 @@ class AveragingHandle(HandleCheckpointing):
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does)."""
         self._optimizer_hook = StepHooks(optimizer, self.step)
+
+    @property
+    def attached_optimizer(self) -> bool:
+        """Whether :meth:`step` runs after an optimizer's steps (``optimizer=``)."""
+        return self._optimizer_hook is not None
 
     def remove(self) -> None:
         """Stop averaging: finish a round in flight, detach from the optimizer, free the
@@ -297,11 +359,11 @@ class AveragingHandle(HandleCheckpointing):
             self.synchronize()
         finally:
             self._removed = True
-            self._engine.buckets, self._policies = [], []
+            self._engine.buckets, self._engine.policies = [], []
 
     def __repr__(self) -> str:
         return (
             f"AveragingHandle(hook={self._engine.name}, period={self._schedule!r}, "
-            f"warmup_steps={self._warmup_steps}, step_count={self._step_count}, "
+            f"warmup_steps={self._options.warmup_steps}, step_count={self._step_count}, "
             f"buckets={len(self._engine.buckets)})"
         )

@@ -12,9 +12,10 @@ Kinds:
 * ``policies``: the buckets of averaged buffers and optimizer state.
 
 A tensor is counted once, at its storage's size, however many places refer to it.
-A hook state may say what its tensors are by defining ``_memory_tensors()``, which yields
-``(kind, tensor)`` pairs; otherwise every tensor reachable from it counts as
-``hook_state``.
+Each part is asked for its tensors: a bucket by ``bucket.memory_tensors()`` (its
+buffers, anchor, scratch and ``memory()``), a hook state by its ``memory_tensors()``
+method, which yields ``(kind, tensor)`` pairs; a state without one counts every tensor
+reachable from it as ``hook_state``.
 
 Example:
     >>> import torch, torch.distributed as dist
@@ -46,7 +47,7 @@ def _walk(obj, kind: str, seen: set) -> Iterator[tuple[str, torch.Tensor]]:
             or callable(obj) and not hasattr(obj, "__dict__") or id(obj) in seen:
         return
     seen.add(id(obj))
-    own = getattr(obj, "_memory_tensors", None)
+    own = getattr(obj, "memory_tensors", None)
     if callable(own) and not isinstance(obj, type):
         for k, value in own():
             yield from _walk(value, k, seen)
@@ -69,31 +70,22 @@ def _walk(obj, kind: str, seen: set) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _bucket_tensors(bucket, kind_of_buffer: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if getattr(bucket, "_in_place", None) is None:
-        if bucket._flat is not None:  # allocated on first use
-            yield kind_of_buffer, bucket._flat
-    else:  # zero copy: the buffer is the parameters; scratch only where a hook needs it
-        yield from (("scratch", t) for t in (bucket._copy, bucket._work) if t is not None)
-    if kind_of_buffer == "policies":
-        return
-    if bucket._anchor is not None:
-        yield "anchors", bucket._anchor
-    yield from (("scratch", t) for t in bucket._scratch.values())
-    if bucket._launch is not None:
-        yield "scratch", bucket._launch
-    yield from (("residuals", t) for t in bucket.memory().values())
+    for kind, t in bucket.memory_tensors():
+        if kind == "bucket_buffers":
+            yield kind_of_buffer, t
+        elif kind_of_buffer != "policies":
+            yield kind, t
 
 
 def count(buckets, hook_state, policy_buckets=()) -> dict[str, dict[str, int]]:
-    """Bytes by kind and device of ``buckets``, ``hook_state`` and ``policy_buckets``."""
-    from .hooks.compress import _SEND_BUFFERS  # the half hooks' send buffers for state None
-    from .hooks.quantized import _SCRATCH  # the quantized hooks' payload buffers, likewise
+    """Bytes by kind and device of ``buckets``, ``hook_state`` and ``policy_buckets``.
 
+    Each part says what it holds: a bucket by ``bucket.memory_tensors()``, a hook state by
+    ``memory_tensors()`` if it has one (else every tensor reachable from it).
+    """
     pairs: list = []
     for bucket in buckets:
         pairs += _bucket_tensors(bucket, "bucket_buffers")
-        pairs += _walk(_SEND_BUFFERS.get(bucket), "scratch", set())
-        pairs += _walk(_SCRATCH.get(bucket), "scratch", set())
     for bucket in policy_buckets:
         pairs += _bucket_tensors(bucket, "policies")
     pairs += _walk(hook_state, "hook_state", set())

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import ops
 from ._groups import is_member
-from .bucket import split_like
-from .rounds import AveragingHookError
+from .errors import AveragingHookError
 
 
 class RoundObserver:
@@ -47,10 +47,10 @@ def squared_distance(bucket, values: torch.Tensor, *, from_launch: bool = False,
     """``||params - values||^2`` of a bucket, in float64 (``from_launch``: its launch
     snapshot; ``change``: ``values`` is ``anchor - new``, as a delta result is)."""
     params = bucket.parameters()
-    source = split_like(bucket._launch, params) if from_launch else params
-    anchors = split_like(bucket.anchor(), params) if change else [None] * len(params)
+    source = ops.split_like(bucket.launch_snapshot(), params) if from_launch else params
+    anchors = ops.split_like(bucket.anchor(), params) if change else [None] * len(params)
     total = torch.zeros((), dtype=torch.float64, device=bucket.device)
-    for p, v, a in zip(source, split_like(values.reshape(-1), params), anchors):
+    for p, v, a in zip(source, ops.split_like(values.reshape(-1), params), anchors):
         new = v.double() if a is None else a.double() - v.double()
         total += (p.double() - new).pow(2).sum()
     return total
@@ -78,7 +78,16 @@ class ConsensusTracker(RoundObserver):
 def _checksum(t: torch.Tensor) -> torch.Tensor:
     """Order-independent exact checksum of ``t``'s bits (the same on any thread count)."""
     int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.view(int_type).sum(dtype=torch.int64)
+    return t.detach().reshape(-1).view(int_type).sum(dtype=torch.int64)
+
+
+def bucket_checksum(bucket, *, anchor: bool = False) -> torch.Tensor:
+    """:func:`_checksum` of a bucket's parameters (as if flattened: integer sums add up),
+    or of its stored anchor."""
+    if anchor:
+        return _checksum(bucket.stored_anchor())
+    return sum((_checksum(p) for p in bucket.parameters()),
+               torch.zeros((), dtype=torch.int64, device=bucket.device))
 
 
 class AgreementCheck(RoundObserver):
@@ -98,8 +107,8 @@ class AgreementCheck(RoundObserver):
         if not is_member(group):
             return
         buckets = handle.buckets
-        sums = [_checksum(b._stored_anchor() if self._overlap and b._has_anchor()
-                          else b._load_parameters()).cpu() for b in buckets]
+        sums = [bucket_checksum(b, anchor=self._overlap and b.has_anchor()).cpu()
+                for b in buckets]
         local = torch.stack([torch.tensor(handle.step_count, dtype=torch.int64), *sums])
         if dist.get_backend(group) == "nccl":
             local = local.to(buckets[0].device)

@@ -159,6 +159,9 @@ def _impl(
 
 # ---------------------------------------------------------------- the ops
 
+#: ``split_like(flat, params)``: views of ``flat`` shaped like ``params``, in order.
+split_like = _fallback.split_like
+
 
 def flatten(
     params: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None = None
@@ -391,5 +394,5 @@ def dequantize_blocks(
     return out
 
 
-__all__ = ["backend", "flatten", "unflatten_", "delta", "apply_", "SUPPORTED_DTYPES",
-           "QuantLayout", "quantize_blocks", "dequantize_blocks"]
+__all__ = ["backend", "flatten", "unflatten_", "delta", "apply_", "feedback_cast", "apply_delta_",
+           "split_like", "SUPPORTED_DTYPES", "QuantLayout", "quantize_blocks", "dequantize_blocks"]

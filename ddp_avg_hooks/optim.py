@@ -191,7 +191,7 @@ class AveragingOptimizer(torch.optim.Optimizer):
 
 
 def _check_not_attached(handle) -> None:
-    if getattr(handle, "_optimizer_hook", None) is not None:
+    if getattr(handle, "attached_optimizer", False):
         raise ValueError(
             "AveragingOptimizer: the handle was registered with optimizer=, so it already "
             "steps after every optimizer.step(); wrapping it too would step the schedule "

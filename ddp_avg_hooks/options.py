@@ -1,7 +1,10 @@
-"""``AveragingOptions``: every setting of a registration, checked in one place.
+"""``AveragingOptions``: every setting of a registration, documented and checked in one place.
 
 :func:`~ddp_avg_hooks.register_averaging_hook` builds one from its arguments; nothing
-else reads or checks them.
+else checks them. Each field carries its documentation (``AveragingOptions.doc(name)``,
+and the README's table of options is :func:`markdown_table`), and
+:attr:`AveragingOptions.AGREED` lists the fields every rank of the averaging group
+must set alike, because they change the collectives or the result.
 
 Example:
     >>> from ddp_avg_hooks.options import AveragingOptions
@@ -11,6 +14,8 @@ Example:
     Traceback (most recent call last):
     ...
     ValueError: optimizer_state='average' needs the optimizer: pass optimizer=... as well
+    >>> print(AveragingOptions.doc("fragments").split(":")[0])
+    int K >= 1
 """
 
 from __future__ import annotations
@@ -22,37 +27,97 @@ import torch
 
 from ._checks import check_bool, check_int
 from ._groups import is_group
-from .schedules import EverySeconds, PeriodSchedule, as_schedule
+from .schedules import ConstantPeriod, EverySeconds, PeriodSchedule, as_schedule
+
+__all__ = ["AveragingOptions", "OPTIMIZER_STATE_POLICIES", "markdown_table"]
 
 OPTIMIZER_STATE_POLICIES = ("keep", "average", "reset")
-_FLAGS = ("check_finite", "verify", "overlap", "track_consensus", "average_buffers", "zero_copy",
-          "offload_state")
+
+
+def _option(default, doc: str, *, agreed: bool = False):
+    return dataclasses.field(default=default, metadata={"doc": doc, "agreed": agreed})
 
 
 @dataclasses.dataclass
 class AveragingOptions:
     """The arguments of :func:`~ddp_avg_hooks.register_averaging_hook`, validated.
 
-    ``schedule`` is ``period`` as a schedule object.
+    Every field is documented by ``AveragingOptions.doc(name)``; ``schedule`` is
+    ``period`` as a schedule object.
     """
 
-    period: int | PeriodSchedule = 1
-    warmup_steps: int = 0
-    bucket_cap_mb: float = 25.0
-    optimizer: torch.optim.Optimizer | None = None
-    keep_anchor: bool | None = None
-    process_group: object = None
-    check_finite: bool = False
-    verify: bool = False
-    overlap: bool = False
-    track_consensus: bool = False
-    average_buffers: bool = False
-    optimizer_state: str = "keep"
-    on_round: Callable | None = None
-    zero_copy: bool = False
-    offload_state: bool = False
-    fragments: int = 1
-    mixing: float | None = None
+    period: int | PeriodSchedule = _option(1, (
+        "int >= 1 or a schedule: average every `period` steps after the warm-up, or as a "
+        "schedule from `ddp_avg_hooks.schedules` decides (`EverySeconds` for time-based "
+        "rounds)"), agreed=True)
+    warmup_steps: int = _option(0, (
+        "int >= 0: steps before the first round, during which DDP still averages gradients "
+        "(with `grad_hooks.local_sgd_grad_hook`)"), agreed=True)
+    bucket_cap_mb: float = _option(25.0, (
+        "number > 0: the largest bucket, in MiB; a bigger parameter gets a bucket of its own"),
+        agreed=True)
+    optimizer: torch.optim.Optimizer | None = _option(None, (
+        "a `torch.optim.Optimizer`: `handle.step()` runs after each of its steps "
+        "(needed by `optimizer_state`)"))
+    keep_anchor: bool | None = _option(None, (
+        "bool: keep the parameters as of the last round in every bucket (default: when the "
+        "hook declares `needs_anchor`, rounds overlap, or time-based rounds weigh by steps)"),
+        agreed=True)
+    process_group: object = _option(None, (
+        "a process group: the group whose ranks must agree on the settings and over which "
+        "buffers and optimizer state are averaged (default: the hook state's group, else "
+        "the default group)"), agreed=True)
+    check_finite: bool = _option(False, (
+        "bool: reject a round whose result holds nan or inf, before anything is written"),
+        agreed=True)
+    verify: bool = _option(False, (
+        "bool: after each round, compare the step counter and an exact checksum of every "
+        "bucket across ranks (one small all-gather)"), agreed=True)
+    overlap: bool = _option(False, (
+        "bool: launch a round and keep training; apply it later as `params + (averaged - "
+        "params_at_launch)`. Keep a round's duration well under the period: the correction "
+        "is stale by the steps taken meanwhile, and a round a whole period late can cost "
+        "more loss than it saves"), agreed=True)
+    track_consensus: bool = _option(False, (
+        "bool: measure the replicas' mean squared distance from their average at each "
+        "round, `stats.consensus_distance` (one scalar all-reduce)"), agreed=True)
+    average_buffers: bool = _option(False, (
+        "bool: average floating-point buffers (BatchNorm statistics) exactly at each round"),
+        agreed=True)
+    optimizer_state: str = _option("keep", (
+        "`\"keep\"`, `\"average\"` or `\"reset\"`: what a round does to the optimizer's "
+        "momentum and Adam moments (average them exactly, or zero them); needs `optimizer=`"),
+        agreed=True)
+    on_round: Callable | None = _option(None, (
+        "`callable(handle)`: runs on every rank after each round"))
+    zero_copy: bool = _option(False, (
+        "bool: parameters become views of their bucket's flat storage, once, at registration "
+        "(`data_ptr()` changes then and the memory format becomes contiguous); exact rounds "
+        "then copy nothing and hold no buffer; a collective that fails midway leaves its "
+        "bucket partly reduced; not with `overlap` (see `ddp_avg_hooks.storage`)"))
+    offload_state: bool = _option(False, (
+        "bool: anchors, the half hooks' residuals and the outer optimizer's parameters and "
+        "state live in host memory, pinned for CUDA parameters, and are copied in and out a "
+        "bucket at a time; results are bit-identical; between rounds the device holds "
+        "nothing but the parameters (see `ddp_avg_hooks.storage`)"))
+    fragments: int = _option(1, (
+        "int K >= 1: streaming rounds: the parameters, cut into K near-equal fragments in "
+        "parameter order, take turns; fragment `f` is averaged at step `s` iff `s >= "
+        "warmup_steps and (s - warmup_steps - f * period // K) % period == 0`, so every "
+        "parameter is averaged once per period and a round sends 1/K of the model; "
+        "`period < K` is a `ValueError`; buffers and optimizer state go with fragment 0; "
+        "with `outer_optimizer` each fragment takes its own outer step (Streaming DiLoCo); "
+        "with `overlap`, rounds of different fragments are in flight together, each applied "
+        "at the latest before its own fragment's next round"), agreed=True)
+    mixing: float | None = _option(None, (
+        "number in [0, 1], with `overlap`: apply a late round as `alpha * params + (1 - "
+        "alpha) * averaged` (Streaming DiLoCo's merge) instead of adding the change; this "
+        "halves the replicas' distance at each round instead of carrying it; `0.5` is the "
+        "setting to start from when rounds take a large part of the period"), agreed=True)
+
+    #: the fields every rank of the averaging group must set alike: they change the
+    #: collectives a round issues or the result it writes
+    AGREED = ()  # filled in below, from the fields' declarations
 
     def __post_init__(self) -> None:
         if not isinstance(self.period, PeriodSchedule):
@@ -73,8 +138,9 @@ class AveragingOptions:
                 "process_group must be a torch.distributed.ProcessGroup, got "
                 f"{type(self.process_group).__name__}"
             )
-        for flag in _FLAGS:
-            check_bool(flag, getattr(self, flag))
+        for f in dataclasses.fields(self):
+            if f.type == "bool":
+                check_bool(f.name, getattr(self, f.name))
         if self.keep_anchor is not None:
             check_bool("keep_anchor", self.keep_anchor)
         if self.optimizer_state not in OPTIMIZER_STATE_POLICIES:
@@ -105,30 +171,50 @@ class AveragingOptions:
                 raise ValueError(f"mixing must be in [0, 1], got {self.mixing}")
             if not self.overlap:
                 raise ValueError("mixing= sets how an overlapped round is applied: pass overlap=True too")
-        if self.zero_copy and isinstance(self.period, EverySeconds) and self.period.weighted:
-            raise ValueError(
-                "zero_copy=True keeps no anchor, which EverySeconds' weighting by steps needs: "
-                "use EverySeconds(..., weighting='equal') or drop zero_copy=True"
-            )
         if self.on_round is not None and not callable(self.on_round):
             raise TypeError(
                 f"on_round must be callable(handle), got {type(self.on_round).__name__}"
             )
         self.schedule = as_schedule(self.period)
-        if self.keep_anchor is False and isinstance(self.schedule, EverySeconds) \
-                and self.schedule.weighted:
+        timed = isinstance(self.schedule, EverySeconds)
+        weighted = timed and self.schedule.weighted
+        if self.zero_copy and weighted:
+            raise ValueError(
+                "zero_copy=True keeps no anchor, which EverySeconds' weighting by steps needs: "
+                "use EverySeconds(..., weighting='equal') or drop zero_copy=True"
+            )
+        if self.keep_anchor is False and weighted:
             raise ValueError(
                 "keep_anchor=False, but EverySeconds' weighting by steps needs anchors: "
                 "drop keep_anchor=False or use EverySeconds(..., weighting='equal')"
             )
+        if self.fragments > 1 and not (timed or isinstance(self.schedule, ConstantPeriod)):
+            raise ValueError(
+                f"fragments={self.fragments} needs an int period or schedules.EverySeconds, "
+                f"got {self.schedule!r}: fragments take turns at fixed offsets within one period"
+            )
+        if self.fragments > 1 and not timed and self.schedule.current < self.fragments:
+            raise ValueError(
+                f"period ({self.schedule.current}) must be >= fragments ({self.fragments}): "
+                "each fragment needs a step of its own within a period"
+            )
 
     def wants_anchor(self, hook_needs_anchor: bool) -> bool:
         """Whether buckets keep anchors: ``keep_anchor`` if given, else when the hook
-        declares ``needs_anchor`` or rounds overlap (the late correction needs one)."""
+        declares ``needs_anchor``, rounds overlap (the late correction needs one) or
+        time-based rounds weigh ranks by their steps."""
         if self.keep_anchor is not None:
             return self.keep_anchor
         weighted = isinstance(self.schedule, EverySeconds) and self.schedule.weighted
         return hook_needs_anchor or self.overlap or weighted
+
+    @classmethod
+    def doc(cls, name: str) -> str:
+        """The documentation of option ``name``."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if name not in fields:
+            raise KeyError(f"AveragingOptions has no option {name!r}; options: {sorted(fields)}")
+        return fields[name].metadata["doc"]
 
     @classmethod
     def from_call(cls, **arguments) -> AveragingOptions:
@@ -140,3 +226,20 @@ class AveragingOptions:
                 f"register_averaging_hook: unknown option(s) {unknown}; accepted: {known}"
             )
         return cls(**arguments)
+
+
+AveragingOptions.AGREED = tuple(f.name for f in dataclasses.fields(AveragingOptions)
+                                if f.metadata["agreed"])
+
+
+def markdown_table() -> str:
+    """The options as a Markdown table (option, default, meaning), as the README shows them.
+
+    Example:
+        >>> markdown_table().splitlines()[0]
+        '| option | default | meaning |'
+    """
+    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(AveragingOptions):
+        rows.append(f"| `{f.name}` | `{f.default!r}` | {f.metadata['doc']} |")
+    return "\n".join(rows)

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from .schedules import ConstantPeriod, EverySeconds, PeriodSchedule
+from .schedules import EverySeconds, PeriodSchedule
 
 
 def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
@@ -76,24 +76,18 @@ class RoundPlanner:
             for time-based rounds).
         warmup_steps: steps before the first round.
         fragments: how many fragments take turns (``>= 1``).
-        clock: seconds, monotonic (tests pass their own).
+        clock: seconds, monotonic (default: ``EverySeconds``' own clock).
+
+    The settings are checked by :class:`~ddp_avg_hooks.options.AveragingOptions`: with
+    ``fragments > 1`` the schedule is an int period of at least ``fragments`` steps or
+    an ``EverySeconds``.
     """
 
     def __init__(self, schedule: PeriodSchedule, *, warmup_steps: int, fragments: int = 1,
-                 clock=time.monotonic) -> None:
+                 clock=None) -> None:
         self.schedule, self.warmup_steps, self.fragments = schedule, warmup_steps, fragments
         self.timed = isinstance(schedule, EverySeconds)
-        if fragments > 1 and not (self.timed or isinstance(schedule, ConstantPeriod)):
-            raise ValueError(
-                f"fragments={fragments} needs an int period or schedules.EverySeconds, got "
-                f"{schedule!r}: fragments take turns at fixed offsets within one period"
-            )
-        if fragments > 1 and not self.timed and schedule.current < fragments:
-            raise ValueError(
-                f"period ({schedule.current}) must be >= fragments ({fragments}): each "
-                "fragment needs a step of its own within a period"
-            )
-        self._clock = clock
+        self._clock = clock or (schedule.clock if self.timed else time.monotonic)
         offsets = [0] * fragments if self.timed else \
             [f * schedule.current // fragments for f in range(fragments)]
         self.next_rounds = [warmup_steps + o for o in offsets]

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ._groups import group_of_state, is_member
+from ._groups import group_of_state, is_member, or_world
 from .bucket import assign_buckets
+from .errors import AveragingHookError
 from .handle import AveragingHandle, AveragingStats, difference
 from .observers import make_observers
 from .options import AveragingOptions
 from .planner import split_fragments
 from .policies import make_policies
 from .protocol import hook_spec
-from .rounds import AveragingHookError, RoundEngine
-from .schedules import PeriodSchedule
-from .offload import OffloadedBucket
-from .zero_copy import ZeroCopyBucket
+from .rounds import RoundEngine
+from .schedules import EverySeconds, PeriodSchedule
+from .storage import DeviceStorage, HostStorage, ZeroCopyStorage
 
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
 
@@ -95,32 +96,9 @@ def register_averaging_hook(
             gradients (``>= 0``).
         bucket_cap_mb: largest bucket, in MiB (``> 0``); bigger parameters get their own.
         optimizer: if given, :meth:`AveragingHandle.step` runs after each of its steps.
-        **options (checked by :class:`~ddp_avg_hooks.options.AveragingOptions`):
-            ``keep_anchor`` (bool; default: as the hook's spec declares, see
-            :func:`~ddp_avg_hooks.averaging_hook`);
-            ``check_finite`` (reject a round with nan/inf before writing anything);
-            ``verify`` (compare the counter and a checksum of the result across ranks
-            after each round); ``process_group`` (the group whose ranks must agree;
-            default: the state's group, else the default group); ``overlap`` (launch
-            rounds asynchronously, see :class:`AveragingHandle`); ``average_buffers``
-            (average floating-point buffers exactly at each round); ``optimizer_state``
-            (``"keep"``, ``"average"`` or ``"reset"`` the optimizer's momentum/moments
-            at each round; needs ``optimizer=``); ``track_consensus`` (measure
-            ``stats.consensus_distance`` at each round, one scalar allreduce);
-            ``on_round`` (``callable(handle)`` run on every rank after each round);
-            ``zero_copy`` (parameters become views of their bucket's storage, so exact
-            rounds copy nothing; see :mod:`ddp_avg_hooks.zero_copy`); ``offload_state``
-            (anchors, residuals and the outer optimizer's state in host memory, pinned
-            for CUDA parameters, copied in and out a bucket at a time; bit-identical
-            results; see :mod:`ddp_avg_hooks.offload`); ``fragments``
-            (int K >= 1: the parameters, cut into K near-equal fragments in parameter
-            order, take turns: fragment f is averaged at step s iff ``s >= warmup_steps
-            and (s - warmup_steps - f * period // K) % period == 0``, so each is averaged
-            once per period and a round sends 1/K of the model; ``period < K`` is a
-            ``ValueError``; buffers and optimizer state go with fragment 0; see
-            :mod:`ddp_avg_hooks.planner`); ``mixing`` (with ``overlap=True``: apply a
-            late round as ``alpha * params + (1 - alpha) * averaged`` instead of adding
-            the change, see :meth:`AveragingHandle`).
+        **options: the other settings (``overlap``, ``fragments``, ``check_finite``,
+            ``offload_state``, ...), each documented and checked by
+            :class:`~ddp_avg_hooks.options.AveragingOptions` (``AveragingOptions.doc(name)``).
 
     Returns:
         An :class:`AveragingHandle`.
@@ -164,28 +142,28 @@ def register_averaging_hook(
             "register_averaging_hook: the model has no trainable parameters to average "
             "(all have requires_grad=False or are ignored by DDP)"
         )
-    zero_copy = {"bucket_type": ZeroCopyBucket, "in_place": not opts.check_finite} \
-        if opts.zero_copy else {"bucket_type": OffloadedBucket} if opts.offload_state else {}
+    if opts.zero_copy:
+        storage = functools.partial(ZeroCopyStorage, in_place=not opts.check_finite)
+    else:
+        storage = HostStorage if opts.offload_state else DeviceStorage
+    keep_anchor = opts.wants_anchor(spec.needs_anchor)
     fragments, buckets = [], []
     parts = split_fragments(params, opts.fragments)
     for i, part in enumerate(parts):
         fragments.append(assign_buckets(part, bucket_cap_mb, first_index=len(buckets),
-                                        ends=i == len(parts) - 1,
-                                        keep_anchor=opts.wants_anchor(spec.needs_anchor),
-                                        **zero_copy))
+                                        ends=i == len(parts) - 1, keep_anchor=keep_anchor,
+                                        storage=storage))
         buckets += fragments[-1]
-    group = opts.process_group if opts.process_group is not None else group_of_state(state)
-    group = dist.group.WORLD if group is None else group
-    engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite,
-                         fragments=fragments, mixing=opts.mixing, linear=spec.linear)
+    group = or_world(opts.process_group if opts.process_group is not None
+                     else group_of_state(state))
     in_bucket_order = [p for b in buckets for p in b.parameters()]
-    handle = AveragingHandle(
-        ddp_model,
-        engine,
-        opts,
-        policies=make_policies(opts, ddp_model, in_bucket_order, ignored),
-        observers=make_observers(opts),
-    )
+    engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite,
+                         fragments=fragments, mixing=opts.mixing, linear=spec.linear,
+                         weighted=isinstance(opts.schedule, EverySeconds) and opts.schedule.weighted,
+                         policies=make_policies(opts, ddp_model, in_bucket_order, ignored),
+                         observers=make_observers(opts))
+    handle = AveragingHandle(engine, opts,
+                             grad_process_group=getattr(ddp_model, "process_group", None))
     _agree_across_ranks(handle, group)
     for bucket in buckets:
         spec.prepare(state, bucket)

@@ -1,24 +1,28 @@
-"""The round engine: launch a hook on every bucket, check what comes back, write it back.
+"""The round engine: one round, from the hook's launch to the stats and the reports.
 
-One round, in order:
+One round, in order (:meth:`RoundEngine.launch`, then :meth:`RoundEngine.finish`):
 
-1. **launch**: for each bucket, mark its buffer stale, snapshot the parameters if the
-   round overlaps training, call ``hook(state, bucket)``; then average the policies'
-   extra buckets (buffers, optimizer state) exactly, beside the hook;
-   and run what the hooks deferred (``ParamBucket.defer``: second phases, once every
-   bucket's first collective is in flight);
+1. **launch**: with weighted time-based rounds, start summing the ranks' local steps
+   (:mod:`~ddp_avg_hooks.weights`); for each bucket, begin its round (a
+   :class:`~ddp_avg_hooks.bucket.BucketRound`; the parameters are snapshot if the round
+   overlaps training) and call ``hook(state, bucket)``; then average the policies'
+   extra buckets (buffers, optimizer state) exactly, beside the hook; and run what the
+   hooks deferred (``ParamBucket.defer``: second phases, once every bucket's first
+   collective is in flight);
 2. **collect**: wait for every future and check its value against the hook contract
    (a floating-point tensor of ``bucket.numel()`` elements, finite with
-   ``check_finite``), counting the bytes sent even when a check fails;
-3. **write back**: only once every result is valid, copy the results into the
-   parameters in place (and into the anchors); an overlapped round adds the change
-   instead, ``params + (result - params_at_launch)``, keeping the progress made while
-   it was in flight. A bucket whose hook called ``bucket.mark_result_as_delta()``
-   returned the averaged change: its new values are ``anchor - result``, written in
-   one chunked pass.
+   ``check_finite``), counting the bytes sent even when a check fails; rescale a
+   weighted result to the ranks' true total of steps;
+3. **write back**: only once every result is valid, let the observers measure, then
+   copy the results into the parameters in place (and into the anchors); an
+   overlapped round adds the change instead, ``params + (result - params_at_launch)``,
+   keeping the progress made while it was in flight. A bucket whose hook called
+   ``bucket.mark_result_as_delta()`` returned the averaged change: its new values are
+   ``anchor - result``, written in one chunked pass. Then the policies act
+   (``optimizer_state="reset"``), the stats are updated and the observers report.
 
-A failed round raises :class:`AveragingHookError` before step 3, so no parameter
-changes.
+A failed round raises :class:`~ddp_avg_hooks.AveragingHookError` before step 3, so no
+parameter changes.
 
 Overlapped rounds (``overlap=True``): the replicas then agree on the anchor, not on the
 parameters; each keeps the local steps taken while the round was in flight (up to
@@ -27,8 +31,10 @@ launch also undoes differences that local training has meanwhile resolved on its
 keep a round's duration well under the period (a compressed hook, a longer period).
 Hooks must read the parameters (``buffer()``, ``delta()``) before they return. The
 cross-rank checks of an overlapped round (``verify``, ``track_consensus``) run at the
-next round, the first step all ranks are sure to share. :func:`run_round` is one blocking round over buckets you built yourself, the
-way to test a hook without a model.
+next round, the first step all ranks are sure to share (:meth:`RoundEngine.report_deferred`).
+
+:func:`run_round` is one blocking round over buckets you built yourself, through the
+same two calls: the way to test a hook without a model.
 
 Example:
     >>> import torch, torch.distributed as dist
@@ -50,35 +56,88 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .bucket import ParamBucket
-from .hooks.default import allreduce_hook
+from ._groups import or_world
+from .bucket import BucketRound, ParamBucket
+from .collectives import exact_average
+from .errors import AveragingHookError
+from .observers import Reporter, RoundObserver
+from .policies import RoundPolicy
 from .protocol import hook_name
+from .weights import RoundWeights, WeightExchange
+
+__all__ = ["AveragingHookError", "AveragingStats", "Round", "RoundEngine", "run_round"]
 
 
-class AveragingHookError(RuntimeError):
-    """An averaging hook failed or returned something other than the contract says."""
+@dataclasses.dataclass
+class AveragingStats:
+    """What averaging has cost so far on this rank.
+
+    Attributes:
+        rounds: averaging rounds completed.
+        bytes_sent: bytes of the tensors this rank handed to collectives for averaging
+            (as recorded by hooks with ``bucket.record_sent``, plus buffers and
+            optimizer state when those are averaged).
+        seconds: wall-clock seconds spent in rounds (copies, hooks, waits, write-back).
+        wait_seconds: the part of ``seconds`` spent waiting for hooks' futures.
+        last_round_bytes: ``bytes_sent`` of the latest round.
+        consensus_distance: with ``track_consensus=True``, the mean over ranks of
+            ``||params_r - average||^2`` (all parameters) at the latest round.
+    """
+
+    rounds: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    wait_seconds: float = 0.0
+    last_round_bytes: int = 0
+    consensus_distance: float | None = None
+
+    @property
+    def bytes_per_round(self) -> float:
+        """Mean bytes this rank sent per round."""
+        return self.bytes_sent / self.rounds if self.rounds else 0.0
 
 
 @dataclasses.dataclass(eq=False)
-class PendingRound:
-    """A launched round: the hook's futures and those of the exact extra buckets."""
+class Round:
+    """One round: what :meth:`RoundEngine.launch` started, then what it collected.
 
-    futures: list
+    Attributes:
+        where: ``"round N, step S"``, for messages.
+        buckets: the buckets it averages; ``records`` their :class:`BucketRound`.
+        futures: the hook's futures, one per bucket.
+        changes: per bucket, whether its result is ``anchor - new``.
+        extras: the policies' buckets (averaged exactly); ``extra_futures`` theirs.
+        overlapped: it runs while training goes on.
+        fragment: the fragment it averages (``None``: every bucket).
+        weights: the ranks' step counts in flight (a weighted round), if any.
+        completed_at: when its last future completed (see :meth:`record_completion`).
+        results: the checked results, once collected (``extra_results`` likewise).
+        bytes_sent: bytes this rank sent, set when collected (even if a check failed).
+        wait_seconds: seconds spent waiting for its futures.
+    """
+
+    where: str
     buckets: list[ParamBucket]
+    records: list[BucketRound]
+    futures: list
+    changes: list[bool]
     extras: list[ParamBucket]
     extra_futures: list
     started: float
     overlapped: bool
-    where: str
-    changes: list[bool]  # per bucket: whether its result is ``anchor - new``
-    fragment: int | None = None  # the fragment it averages (None: every bucket)
-    bytes_sent: int = 0  # set by collect(), even when a check fails
-    weights: object = None  # the ranks' step counts in flight (a weighted round), if any
-    completed_at: float | None = None  # see record_completion
+    fragment: int | None = None
+    weights: WeightExchange | None = None
+    completed_at: float | None = None
+    results: list[torch.Tensor] | None = None
+    extra_results: list[torch.Tensor] | None = None
+    bytes_sent: int = 0
+    wait_seconds: float = 0.0
 
     def done(self) -> bool:
+        """Whether every future (and the weight exchange) has completed."""
         return all(f.done() for f in self.futures + self.extra_futures) and \
             (self.weights is None or self.weights.done())
 
@@ -92,19 +151,6 @@ class PendingRound:
             fut.add_done_callback(completed)
 
 
-@dataclasses.dataclass
-class FinishedRound:
-    """A collected round: checked results, not yet written back."""
-
-    results: list[torch.Tensor]
-    extra_results: list[torch.Tensor]
-    overlapped: bool
-    bytes_sent: int
-    wait_seconds: float
-    started: float
-    changes: list[bool]  # per result: whether it is ``anchor - new``
-
-
 class RoundEngine:
     """Runs rounds of one hook over a fixed list of buckets.
 
@@ -112,26 +158,44 @@ class RoundEngine:
         hook: ``hook(state, bucket) -> Future[Tensor]``.
         state: passed to every hook call.
         buckets: the buckets, in launch order.
-        exact_group: the process group of the extra buckets' exact average.
+        exact_group: the averaging group: the policies' exact averages and the ranks'
+            step counts go over it (``None``: the default group).
         check_finite: reject a round whose results hold nan or inf.
         fragments: ``buckets`` cut into consecutive parts that rounds may average one
             at a time (default: one part, all buckets).
-        mixing: how an overlapped round is applied (see :meth:`ParamBucket._write_back_with_progress`).
+        mixing: how an overlapped round is applied (see :meth:`ParamBucket.apply`).
         linear: the hook is declared ``linear`` (see :class:`~ddp_avg_hooks.HookSpec`).
+        weighted: rounds weigh ranks by their local steps (``EverySeconds(weighting="steps")``).
+        policies: what else a round does to the model (:mod:`~ddp_avg_hooks.policies`).
+        observers: what looks at a finished round (:mod:`~ddp_avg_hooks.observers`).
+
+    ``stats`` is the :class:`AveragingStats` the rounds update; ``weights`` each
+    fragment's last total of local steps (:class:`~ddp_avg_hooks.weights.RoundWeights`).
     """
 
     def __init__(self, hook: Callable, state, buckets: Sequence[ParamBucket], *,
                  exact_group=None, check_finite: bool = False,
                  fragments: Sequence[Sequence[ParamBucket]] | None = None,
-                 mixing: float | None = None, linear: bool = False) -> None:
-        self.linear = linear
+                 mixing: float | None = None, linear: bool = False, weighted: bool = False,
+                 policies: Sequence[RoundPolicy] = (),
+                 observers: Sequence[RoundObserver] = ()) -> None:
         self.hook, self.state = hook, state
         self.name = hook_name(hook)
         self.buckets = list(buckets)
         self.fragments = [list(f) for f in fragments] if fragments else [self.buckets]
-        self.mixing = mixing
-        self.exact_group = exact_group
-        self.check_finite = check_finite
+        self.exact_group = or_world(exact_group)
+        self.check_finite, self.mixing, self.linear = check_finite, mixing, linear
+        self.policies = list(policies)
+        self.reporter = Reporter(list(observers))
+        self.stats = AveragingStats()
+        world = dist.get_world_size(self.exact_group) if dist.is_initialized() else 1
+        self.weighted = weighted and world > 1
+        self.weights = RoundWeights(world=world, fragments=len(self.fragments), linear=linear)
+
+    @property
+    def collective_reports(self) -> bool:
+        """Whether an observer's report talks to the other ranks (``verify``, ``track_consensus``)."""
+        return any(o.collective for o in self.reporter.observers)
 
     def error(self, bucket: ParamBucket, where: str, what: str) -> AveragingHookError:
         return AveragingHookError(
@@ -139,33 +203,52 @@ class RoundEngine:
             f"{len(self.buckets)} ({where}): {what}"
         )
 
-    def launch(self, *, overlapped: bool = False, extras: Sequence[ParamBucket] = (),
-               where: str = "round", fragment: int | None = None,
-               delta_scale: float = 1.0) -> PendingRound:
-        """Call the hook on every bucket (of ``fragment`` only, if given), then start
-        the extras' exact average.
+    # --- launch --------------------------------------------------------------------------
+    def launch(self, *, overlapped: bool = False, where: str = "round",
+               fragment: int | None = None, local_steps: int | None = None) -> Round:
+        """Start a round of ``fragment`` (``None``: every bucket, outside the schedule).
 
-        ``delta_scale`` weighs this rank: the hook sees its parameters' change since the
-        anchor scaled by it (``buffer() = anchor + delta_scale * (params - anchor)``,
-        ``delta()`` likewise; the parameters themselves are untouched), so that a plain
-        average becomes a weighted one.
+        ``local_steps``: this rank's steps since the fragment's last round, its weight
+        in a weighted round (ignored unless the engine is ``weighted``). The hook then
+        sees its parameters' change since the anchor scaled by ``n * w / W`` (``buffer()
+        = anchor + scale * (params - anchor)``, ``delta()`` likewise; the parameters
+        themselves are untouched), so that a plain average becomes a weighted one.
         """
         started = time.perf_counter()
+        scale, exchange = 1.0, None
+        if self.weighted and fragment is not None:
+            scale, exchange = self.weights.start(local_steps, fragment, self.exact_group, where)
         buckets = self.buckets if fragment is None else self.fragments[fragment]
+        # the policies' extras (buffers, optimizer state) go with the first fragment
+        extras = [b for p in self.policies for b in p.buckets()] if not fragment else []
         with record_function("ddp_avg_hooks::round::launch"):
-            futures, deferred = [], []
-            for b in buckets:
-                futures.append(self._call_hook(b, overlapped, where, delta_scale))
-                deferred += [(b, fn) for fn in b._take_deferred()]
-            changes = [b._result_is_delta for b in buckets]
-            extras = list(extras)
+            futures, records, deferred = [], [], []
+            for bucket in buckets:
+                record = bucket.begin_round(scale, overlapped=overlapped)
+                futures.append(self._call_hook(bucket, where))
+                records.append(record)
+                deferred += [(bucket, fn) for fn in record.take_deferred()]
+            changes = [r.result_is_delta for r in records]
             extra_futures = []
             for bucket in extras:
-                bucket._start_round()
-                extra_futures.append(allreduce_hook(self.exact_group, bucket))
+                records.append(bucket.begin_round())
+                extra_futures.append(exact_average(self.exact_group, bucket))
             self._run_deferred(deferred, where)
-        return PendingRound(futures, list(buckets), extras, extra_futures, started, overlapped,
-                            where, changes, fragment=fragment)
+        return Round(where, list(buckets), records, futures, changes, extras, extra_futures,
+                     started, overlapped, fragment=fragment, weights=exchange)
+
+    def _call_hook(self, bucket: ParamBucket, where: str):
+        try:
+            fut = self.hook(self.state, bucket)
+        except Exception as exc:
+            raise self.error(bucket, where, f"raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(fut, torch._C.Future):
+            raise self.error(
+                bucket, where,
+                f"returned {type(fut).__name__}; expected a torch.futures.Future "
+                "whose value is the bucket's new flat parameters",
+            )
+        return fut
 
     def _run_deferred(self, deferred: list, where: str) -> None:
         """Run the calls the hooks deferred (``ParamBucket.defer``), in order, all of them
@@ -183,60 +266,64 @@ class RoundEngine:
         if failure is not None:
             raise failure
 
-    def _call_hook(self, bucket: ParamBucket, overlapped: bool, where: str, delta_scale: float):
-        bucket._start_round(delta_scale, overlapped=overlapped)
-        if overlapped:
-            bucket._snapshot_launch()
-        try:
-            fut = self.hook(self.state, bucket)
-        except Exception as exc:
-            raise self.error(bucket, where, f"raised {type(exc).__name__}: {exc}") from exc
-        if not isinstance(fut, torch._C.Future):
-            raise self.error(
-                bucket, where,
-                f"returned {type(fut).__name__}; expected a torch.futures.Future "
-                "whose value is the bucket's new flat parameters",
-            )
-        return fut
+    # --- finish ----------------------------------------------------------------------------
+    def finish(self, rnd: Round, handle=None) -> Round:
+        """Collect ``rnd``, check it, write it back, update the stats and report.
 
-    def collect(self, pending: PendingRound) -> FinishedRound:
+        ``handle`` is what the observers' reports receive (``on_round``'s argument);
+        raises :class:`AveragingHookError`, with nothing written, if the round failed.
+        """
+        try:
+            factor = 1.0 if rnd.weights is None else self.weights.correction(rnd.weights, rnd.where)
+            self._collect(rnd)
+        finally:
+            self.stats.bytes_sent += rnd.bytes_sent
+            self.stats.last_round_bytes = rnd.bytes_sent
+        self.stats.wait_seconds += rnd.wait_seconds
+        if factor != 1.0:
+            self._rescale(rnd, factor)
+        measured = self.reporter.measure(rnd.buckets, rnd)
+        with record_function("ddp_avg_hooks::round::write_back"):
+            for bucket, value, change in zip(rnd.buckets, rnd.results, rnd.changes):
+                bucket.apply(value, is_delta=change, overlapped=rnd.overlapped, mixing=self.mixing)
+            for bucket, value in zip(rnd.extras, rnd.extra_results):
+                bucket.apply(value)
+        for policy in self.policies:
+            policy.after_write_back()
+        self.stats.rounds += 1
+        # Ranks apply an overlapped round at different steps, so its collective reports
+        # wait for a step every rank shares: the next round (or average()).
+        self.reporter.report_collective(handle, self.stats.rounds, measured,
+                                        overlapped=rnd.overlapped)
+        self.stats.seconds += time.perf_counter() - rnd.started
+        self.reporter.report_local(handle, self.stats.rounds, measured)
+        return rnd
+
+    def report_deferred(self, handle=None) -> None:
+        """Run the collective reports an overlapped round left (at a step all ranks share)."""
+        self.reporter.report_deferred(handle)
+
+    def _collect(self, rnd: Round) -> None:
         """Wait for the round and check every result; raises :class:`AveragingHookError`."""
         wait_start = time.perf_counter()
         try:
             with record_function("ddp_avg_hooks::round::wait"):
-                results = [self._result(b, f, pending.where)
-                           for b, f in zip(pending.buckets, pending.futures)]
-                extra_results = [f.wait() for f in pending.extra_futures]
+                rnd.results = [self._result(b, f, rnd.where)
+                               for b, f in zip(rnd.buckets, rnd.futures)]
+                rnd.extra_results = [f.wait() for f in rnd.extra_futures]
         finally:
-            pending.bytes_sent = sum(b._take_bytes_sent() for b in pending.buckets + pending.extras)
-        return FinishedRound(results, extra_results, pending.overlapped, pending.bytes_sent,
-                             time.perf_counter() - wait_start, pending.started,
-                             pending.changes)
+            rnd.bytes_sent = sum(r.bytes_sent for r in rnd.records)
+            rnd.wait_seconds = time.perf_counter() - wait_start
 
     @staticmethod
-    def rescale(pending: PendingRound, finished: FinishedRound, factor: float) -> None:
+    def _rescale(rnd: Round, factor: float) -> None:
         """Multiply each result's change from its bucket's anchor by ``factor``, in place."""
-        for bucket, value, change in zip(pending.buckets, finished.results, finished.changes):
+        for bucket, value, change in zip(rnd.buckets, rnd.results, rnd.changes):
             if change:
                 value.mul_(factor)
             else:
-                anchor = bucket._anchor_for_op()
+                anchor = bucket.anchor()
                 torch.add(anchor, value.sub_(anchor), alpha=factor, out=value)
-
-    def write_back(self, pending: PendingRound, finished: FinishedRound) -> None:
-        """Copy the results into the parameters in place (all of them valid by now)."""
-        with record_function("ddp_avg_hooks::round::write_back"):
-            for bucket, value, change in zip(pending.buckets, finished.results,
-                                             finished.changes):
-                if finished.overlapped:
-                    new = bucket._new_values(value) if change else value
-                    bucket._write_back_with_progress(new, self.mixing)
-                elif change:
-                    bucket._write_back_delta(value)
-                else:
-                    bucket._write_back(value)
-            for bucket, value in zip(pending.extras, finished.extra_results):
-                bucket._write_back(value)
 
     def _result(self, bucket: ParamBucket, fut, where: str) -> torch.Tensor:
         try:
@@ -266,17 +353,15 @@ class RoundEngine:
 
 
 def run_round(hook: Callable, state, buckets: Sequence[ParamBucket], *,
-              between: Callable[[], None] | None = None) -> FinishedRound:
+              between: Callable[[], None] | None = None) -> Round:
     """One blocking round of ``hook`` over ``buckets``, as a registration runs it.
 
     ``between`` runs after the launch and before the wait (say, another collective
-    that must not interleave with the hook's). Returns the written-back round (its
-    ``bytes_sent`` is what the hook recorded).
+    that must not interleave with the hook's). Returns the written-back :class:`Round`
+    (its ``bytes_sent`` is what the hook recorded).
     """
     engine = RoundEngine(hook, state, buckets)
-    pending = engine.launch()
+    rnd = engine.launch()
     if between is not None:
         between()
-    finished = engine.collect(pending)
-    engine.write_back(pending, finished)
-    return finished
+    return engine.finish(rnd)

@@ -16,7 +16,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -254,19 +255,25 @@ class EverySeconds(PeriodSchedule):
     the others' next round fail with an ``AveragingHookError`` naming the round, within
     the process group's timeout.
 
+    ``clock`` is what each rank reads the time from: seconds, monotonic
+    (``time.monotonic`` by default; a test passes its own).
+
     Example:
         >>> EverySeconds(2.5)
         EverySeconds(2.5, weighting='steps')
     """
 
-    def __init__(self, seconds: float, weighting: str = "steps") -> None:
+    def __init__(self, seconds: float, weighting: str = "steps", *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
             raise TypeError(f"EverySeconds: seconds must be a number, got {type(seconds).__name__}")
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"EverySeconds: seconds must be > 0 and finite, got {seconds}")
         if weighting not in WEIGHTINGS:
             raise ValueError(f"EverySeconds: weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-        self.seconds, self.weighting = float(seconds), weighting
+        if not callable(clock):
+            raise TypeError(f"EverySeconds: clock must be callable() -> seconds, got {type(clock).__name__}")
+        self.seconds, self.weighting, self.clock = float(seconds), weighting, clock
 
     @property
     def weighted(self) -> bool:

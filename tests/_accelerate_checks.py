@@ -14,7 +14,7 @@ from accelerate import Accelerator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
-from _helpers import report  # noqa: E402
+from _helpers import exit_cleanly, report  # noqa: E402
 import accelerate_local_sgd as ex  # noqa: E402
 
 from ddp_avg_hooks.integrations.accelerate import LocalSGD  # noqa: E402
@@ -77,3 +77,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_cleanly()

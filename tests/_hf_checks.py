@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
-from _helpers import report  # noqa: E402
+from _helpers import exit_cleanly, report  # noqa: E402
 import hf_trainer_local_sgd as ex  # noqa: E402
 
 import ddp_avg_hooks as dah  # noqa: E402
@@ -51,3 +51,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_cleanly()

@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as po
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
-from _helpers import report  # noqa: E402
+from _helpers import exit_cleanly, report  # noqa: E402
 import lightning_local_sgd as ex  # noqa: E402
 
 import ddp_avg_hooks as dah  # noqa: E402
@@ -117,3 +117,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_cleanly()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -27,21 +28,21 @@ def _rank_uneven(rank, world_size, weighting, hook_name, rounds, sleep_s):
     model = make_model()
     ddp = DDP(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    handle = dah.register_averaging_hook(ddp, getattr(dah.hooks, hook_name), None,
-                                         period=EverySeconds(0.3, weighting=weighting),
-                                         warmup_steps=2)
-    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     # one reading per step, so that is_averaging_step() and step() agree; from the start of
     # a round on, the real clock, so that its completion is stamped when it completes
     now = [time.monotonic()]
-    handle._plan._clock = lambda: time.monotonic() if now[0] is None else now[0]
-    plan_started = handle._plan.started
+    hook = getattr(dah.hooks, hook_name)
 
-    def started(step, fragment):
+    @functools.wraps(hook)
+    def hook_on_real_clock(state, bucket):
         now[0] = None
-        plan_started(step, fragment)
+        return hook(state, bucket)
 
-    handle._plan.started = started
+    clock = lambda: time.monotonic() if now[0] is None else now[0]  # noqa: E731
+    handle = dah.register_averaging_hook(ddp, hook_on_real_clock, None,
+                                         period=EverySeconds(0.3, weighting=weighting, clock=clock),
+                                         warmup_steps=2)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     step, last_round_step, checks = 0, 2, []
     anchor = None
     while handle.rounds_started < rounds:
@@ -144,8 +145,9 @@ def _rank_resume(rank, world_size, tmp):
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     again.load_state_dict(saved["handle"])
-    resumed = (again.step_count, again.rounds_started, again._plan.local_steps(again.step_count, 0))
-    assert again._weights.totals == handle._weights.totals and handle._weights.totals[0] > 0
+    resumed = (again.step_count, again.rounds_started, again.planner.local_steps(again.step_count, 0))
+    totals = saved["handle"]["weight_totals"]
+    assert again.state_dict()["weight_totals"] == totals and totals[0] > 0
     while again.rounds_started < 4:
         train_step(ddp2, opt2, rank, step)
         again.step()
@@ -196,7 +198,7 @@ def _rank_fragments_overlap(rank, world_size):
         before = handle.rounds_started
         handle.step()
         if handle.rounds_started > before:
-            fragments_seen.append(handle._plan.rounds % 2)
+            fragments_seen.append(handle.planner.rounds % 2)
         step += 1
     handle.synchronize()
     anchors = torch.cat([b.anchor() for b in handle.buckets])
@@ -224,11 +226,11 @@ class _Ranks:
         self.rank, self.model = rank, make_model()
         self.ddp = DDP(self.model)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.05)
-        self.handle = dah.register_averaging_hook(self.ddp, hook, None,
-                                                  period=EverySeconds(1.0), overlap=True, **options)
-        self.ddp.register_comm_hook(self.handle, dah.grad_hooks.local_sgd_grad_hook)
         self.now = [0.0]
-        self.handle._plan._clock = lambda: self.now[0]
+        self.handle = dah.register_averaging_hook(
+            self.ddp, hook, None, period=EverySeconds(1.0, clock=lambda: self.now[0]),
+            overlap=True, **options)
+        self.ddp.register_comm_hook(self.handle, dah.grad_hooks.local_sgd_grad_hook)
         self.steps, self.last_round = 0, 0
 
     def step(self, *, advance: float = 0.0, trained: bool = False) -> bool:
@@ -340,10 +342,10 @@ def test_a_failed_round_does_not_stop_the_clock(world1, overlap):
         return dah.hooks.allreduce_hook(None, bucket)
 
     ddp = DDP(make_model())
-    handle = dah.register_averaging_hook(ddp, flaky, None, overlap=overlap,
-                                         period=EverySeconds(1.0, weighting="equal"))
     now = [0.0]
-    handle._plan._clock = lambda: now[0]
+    handle = dah.register_averaging_hook(
+        ddp, flaky, None, overlap=overlap,
+        period=EverySeconds(1.0, weighting="equal", clock=lambda: now[0]))
     assert handle.step()  # round 1, at step 0
     handle.synchronize()
     now[0] += 1.0

@@ -241,9 +241,9 @@ def _rank_streaming_int8(rank, world_size):
     for step in range(12):
         _batch_step(ddp, opt, rank, step)
         handle.step()
-        most_in_flight = max(most_in_flight, len(handle._in_flight))
-        tracked += [p for p in handle._in_flight if p not in tracked]
-        for pending in [p for p in tracked if p not in handle._in_flight]:
+        most_in_flight = max(most_in_flight, len(handle.rounds_in_flight))
+        tracked += [p for p in handle.rounds_in_flight if p not in tracked]
+        for pending in [p for p in tracked if p not in handle.rounds_in_flight]:
             check(pending)
             tracked.remove(pending)
     handle.synchronize()

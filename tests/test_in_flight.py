@@ -45,16 +45,16 @@ def test_rounds_of_other_fragments_launch_while_one_is_in_flight(world1):
     handle.step()  # step 0: fragment 0 launched
     handle.step()  # step 1: fragment 1 launched beside it
     assert [b for b, _, _ in hook.held] == [0, 1]
-    assert len(handle._in_flight) == 2 and handle.stats.rounds == 0
-    first = handle._in_flight[0]  # fragment 0's: only its own fragment's next round waits
-    assert handle._must_finish_before(first, 0) and not handle._must_finish_before(first, 1)
+    assert len(handle.rounds_in_flight) == 2 and handle.stats.rounds == 0
+    first = handle.rounds_in_flight[0]  # fragment 0's: only its own fragment's next round waits
+    assert handle.must_finish_before(first, 0) and not handle.must_finish_before(first, 1)
     hook.release(1)
     hook.release(0)
     handle.step()  # step 2: both complete, applied; fragment 0 launched again
-    assert handle.stats.rounds == 2 and len(handle._in_flight) == 1
+    assert handle.stats.rounds == 2 and len(handle.rounds_in_flight) == 1
     hook.release()
     handle.synchronize()
-    assert handle.stats.rounds == 3 and not handle._in_flight
+    assert handle.stats.rounds == 3 and not handle.rounds_in_flight
 
 
 def test_a_fragment_waits_for_its_own_last_round(world1):
@@ -66,7 +66,7 @@ def test_a_fragment_waits_for_its_own_last_round(world1):
     threading.Timer(0.2, hook.release, args=(0,)).start()
     handle.step()
     assert handle.stats.rounds == 1
-    assert [p.fragment for p in handle._in_flight] == [1, 0]
+    assert [p.fragment for p in handle.rounds_in_flight] == [1, 0]
     hook.release()
     handle.synchronize()
 
@@ -78,6 +78,6 @@ def test_collective_observers_finish_every_round_before_the_next(world1, option)
     handle.step()
     threading.Timer(0.2, hook.release, args=(0,)).start()
     handle.step()  # fragment 1's round: fragment 0's is applied first
-    assert handle.stats.rounds == 1 and [p.fragment for p in handle._in_flight] == [1]
+    assert handle.stats.rounds == 1 and [p.fragment for p in handle.rounds_in_flight] == [1]
     hook.release()
     handle.synchronize()

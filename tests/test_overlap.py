@@ -37,7 +37,7 @@ def _rank_overlap_formula(rank, world_size):
     _set(blocking_model, start)
     _set(overlap_model, start)
     assert blocking.step() and overlapped.step()
-    in_flight_before_sync = bool(overlapped._in_flight)
+    in_flight_before_sync = bool(overlapped.rounds_in_flight)
     overlapped.synchronize()  # no progress between launch and apply
     same_as_blocking = all(torch.equal(a, b) for a, b in
                            zip(blocking_model.parameters(), overlap_model.parameters()))

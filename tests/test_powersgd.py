@@ -150,7 +150,7 @@ def test_zero_delta_keeps_parameters_and_gives_no_nan(world1):
         for _ in range(2):
             _round(state, buckets)
             assert torch.equal(_flat(params), before)
-        mem = state._memory[0]
+        mem = state.memory_of(0)
         assert torch.isfinite(mem.p).all() and torch.isfinite(mem.q).all()
 
 
@@ -169,7 +169,7 @@ def test_conv_and_scalar_parameters(world1):
     torch.testing.assert_close(conv.detach(), target[0], rtol=0, atol=1e-6)
     assert scalar.item() == 2.25
     assert sent == 4 * (4 * (4 + 12) + 1)
-    assert state._memory[0].layout.matrices[0][1:4] == (4, 12, 4)
+    assert state.memory_of(0).layout.matrices[0][1:4] == (4, 12, 4)
 
 
 def test_state_dict_resumes_bit_for_bit(world1):

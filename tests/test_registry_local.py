@@ -55,7 +55,7 @@ def test_bucket_flat_order_is_logical_even_for_channels_last():
     assert torch.equal(b.buffer(), p.reshape(-1))
     assert torch.equal(b.anchor(), p.reshape(-1))
     ptr, strides = p.data_ptr(), p.stride()
-    b._write_back(torch.arange(24, 0, -1, dtype=torch.float64))
+    b.apply(torch.arange(24, 0, -1, dtype=torch.float64))
     assert p.data_ptr() == ptr and p.stride() == strides
     assert torch.equal(p.reshape(-1), torch.arange(24, 0, -1, dtype=torch.float32))
     assert torch.equal(b.anchor(), p.reshape(-1))

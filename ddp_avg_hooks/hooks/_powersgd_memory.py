@@ -63,7 +63,7 @@ class BucketMemory:
         ef = state.use_error_feedback
         self.residual = torch.zeros(bucket.numel(), dtype=dtype, device=dev) if ef else None
 
-    def _memory_tensors(self):
+    def memory_tensors(self):
         yield from (("hook_state", t) for t in (self.p, self.q, self.q_init))
         yield "scratch", self.q_local
         yield "residuals", self.residual

@@ -51,59 +51,21 @@ roundoff: 2**-8 for the default bfloat16, 2**-24 for float32; all tested in
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
-from .._checks import check_bool
-from .._groups import check_group, is_member, or_world
+from .._groups import is_member
 from ..bucket import ParamBucket
+from ..collectives import allreduce_sum, completed
 from ..protocol import averaging_hook
-from ._comm import allreduce_sum_fut, completed
-from ._per_bucket import PerBucket
+from ._delta import DeltaHookFamily, DeltaState
 
 #: The residual's dtype when none is given: it loses at most 2**-8 of what it carries.
 DEFAULT_RESIDUAL_DTYPE = torch.bfloat16
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-class _Residual:
-    """Error-feedback memory of one bucket: the residual and a reusable send buffer."""
-
-    __slots__ = ("residual", "_send")
-
-    def __init__(self, residual: torch.Tensor) -> None:
-        self.residual = residual
-        self._send: torch.Tensor | None = None
-
-    @classmethod
-    def zeros(cls, bucket: ParamBucket, dtype: torch.dtype | None = DEFAULT_RESIDUAL_DTYPE) -> _Residual:
-        return cls(bucket.new_state(dtype))
-
-    def _memory_tensors(self):
-        yield "residuals", self.residual
-        yield "scratch", self._send
-
-    def send_buffer(self, half_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self._send is None or self._send.dtype != half_dtype or self._send.device != device:
-            self._send = torch.empty(self.residual.numel(), dtype=half_dtype, device=device)
-        return self._send
-
-
-# With state None / a ProcessGroup the residual lives in bucket.memory()[_MEMORY_KEY],
-# which handle.state_dict() saves; this weak table only caches each bucket's send buffer.
-_MEMORY_KEY = "half_residual"
-_SEND_BUFFERS: weakref.WeakKeyDictionary[ParamBucket, _Residual] = weakref.WeakKeyDictionary()
-
-
-def _load_residual(mem: _Residual, saved: torch.Tensor) -> None:
-    if mem.residual.numel() != saved.numel():
-        raise ValueError(f"it holds {mem.residual.numel()} elements, the checkpoint {saved.numel()}")
-    mem.residual.copy_(saved)  # in the residual dtype this state was made with
-
-
-class HalfDeltaState:
+class HalfDeltaState(DeltaState):
     """Options and error-feedback memory for :func:`fp16_compress_hook` / :func:`bf16_compress_hook`.
 
     Args:
@@ -130,45 +92,35 @@ class HalfDeltaState:
         TypeError: HalfDeltaState: error_feedback must be True or False, got 'yes'
     """
 
-    __slots__ = ("process_group", "error_feedback", "residual_dtype", "_residuals")
+    __slots__ = ("residual_dtype",)
+    owner = "HalfDeltaState"
 
     def __init__(self, process_group: dist.ProcessGroup | None = None, error_feedback: bool = True,
                  residual_dtype: torch.dtype | None = DEFAULT_RESIDUAL_DTYPE) -> None:
-        self.process_group = check_group(process_group, "HalfDeltaState")
-        self.error_feedback = check_bool("error_feedback", error_feedback, owner="HalfDeltaState")
         if residual_dtype is not None and residual_dtype not in _FLOAT_DTYPES:
             raise TypeError(
                 "HalfDeltaState: residual_dtype must be None (the bucket's dtype) or one of "
                 f"torch.float32, float64, float16, bfloat16; got {residual_dtype!r}"
             )
         self.residual_dtype = residual_dtype
-        self._residuals: PerBucket[_Residual] = PerBucket(
-            "HalfDeltaState", create=lambda b: _Residual.zeros(b, self.residual_dtype),
-            save=lambda m: m.residual.clone(), load=_load_residual,
-            numel=lambda m: m.residual.numel())
+        super().__init__(process_group, error_feedback)
 
-    def _memory(self, bucket: ParamBucket) -> _Residual:
-        return self._residuals.get(bucket)
+    def new_residual(self, bucket: ParamBucket) -> torch.Tensor:
+        return bucket.new_state(self.residual_dtype)
 
-    def state_dict(self) -> dict:
-        """This rank's residuals (``bucket.index() -> tensor``) and the option."""
+    def settings(self) -> dict:
         dtype = None if self.residual_dtype is None else str(self.residual_dtype).split(".")[-1]
-        return {"error_feedback": self.error_feedback, "residual_dtype": dtype,
-                "residuals": self._residuals.state_dict()}
+        return {"error_feedback": self.error_feedback, "residual_dtype": dtype}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore residuals saved by :meth:`state_dict` (before or after the first round).
 
         They are kept in this state's ``residual_dtype``, whatever dtype they were saved in.
         """
-        self.error_feedback = bool(state_dict["error_feedback"])
-        self._residuals.load_state_dict(state_dict["residuals"])
-
-    def __getstate__(self) -> dict:  # process groups do not pickle
-        return self.state_dict()
+        super().load_state_dict(state_dict)
 
     def __setstate__(self, s: dict) -> None:
-        name = s.get("residual_dtype", "float32")
+        name = s["residual_dtype"]
         self.__init__(None, s["error_feedback"], None if name is None else getattr(torch, name))
         self.load_state_dict(s)
 
@@ -179,76 +131,25 @@ class HalfDeltaState:
         )
 
 
-def _group_and_memory(state, bucket: ParamBucket, half_dtype: torch.dtype):
-    """(group, residual memory or None) for a hook call."""
-    if isinstance(state, HalfDeltaState):
-        return or_world(state.process_group), (state._memory(bucket) if state.error_feedback else None)
-    _VALIDATORS[half_dtype](state)
-    return or_world(state), _bucket_residual(bucket)
-
-
-def _bucket_residual(bucket: ParamBucket) -> _Residual:
-    """The residual kept in ``bucket.memory()`` (so the handle checkpoints it)."""
-    stored = bucket.memory().get(_MEMORY_KEY)
-    if stored is None:
-        stored = bucket.memory()[_MEMORY_KEY] = _Residual.zeros(bucket).residual
-    mem = _SEND_BUFFERS.get(bucket)
-    if mem is None or mem.residual is not stored:  # first round, or a checkpoint was loaded
-        mem = _SEND_BUFFERS[bucket] = _Residual(stored)
-    return mem
-
-
-def _prepare_bucket(state, bucket: ParamBucket) -> None:
-    """Create the error-feedback memory at registration, so a fresh handle's
-    ``state_dict()`` already has the structure a checkpoint loads into."""
-    if isinstance(state, HalfDeltaState):
-        if state.error_feedback:
-            state._memory(bucket)
-    else:
-        _bucket_residual(bucket)
-
-
-def _validator(name: str):
-    def validate_state(state) -> None:
-        if not isinstance(state, HalfDeltaState):
-            check_group(state, name, what="state",
-                        also="a HalfDeltaState(process_group=..., error_feedback=...)")
-
-    return validate_state
-
-
-_VALIDATORS = {torch.float16: _validator("fp16_compress_hook"),
-               torch.bfloat16: _validator("bf16_compress_hook")}
-
-
-def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out <- a - half`` (``half`` in fp16/bf16): the result of ``torch.sub(a, half, out=out)``.
-
-    For float32/float64 ``out`` the half values are first widened into ``out`` (exact,
-    and a vectorized cast): a mixed-dtype ``torch.sub`` takes a slow path on CPU (about
-    3x the time of the two same-dtype passes).
-    """
-    if out.dtype in (torch.float32, torch.float64) and out.data_ptr() != a.data_ptr():
-        out.copy_(half)
-        return torch.sub(a, out, out=out)
-    return torch.sub(a, half, out=out)
+_FAMILY = DeltaHookFamily(
+    HalfDeltaState, "half_residual", lambda b: b.new_state(DEFAULT_RESIDUAL_DTYPE),
+    "a HalfDeltaState(process_group=..., error_feedback=...)")
+_VALIDATORS = {torch.float16: _FAMILY.validator("fp16_compress_hook"),
+               torch.bfloat16: _FAMILY.validator("bf16_compress_hook")}
 
 
 def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> torch.futures.Future:
-    group, mem = _group_and_memory(state, bucket, half_dtype)
+    _VALIDATORS[half_dtype](state)
+    group, residual = _FAMILY.group_and_residual(state, bucket)
     if not is_member(group):
         return completed(bucket.buffer())
     scale = 1.0 / dist.get_world_size(group)
-    residual = None if mem is None else mem.residual
-    # state in host memory: one bucket at a time (see ddp_avg_hooks.offload), unless the
+    # state in host memory: one bucket at a time (see ddp_avg_hooks.storage), unless the
     # round overlaps training, which must not wait for it
-    one_at_a_time = bucket.offloaded and not bucket._overlapped
-    if one_at_a_time:
-        send = torch.empty(bucket.numel(), dtype=half_dtype, device=bucket.device)
-    elif mem is None:
-        send = None  # bucket.delta's own scratch
-    else:
-        send = mem.send_buffer(half_dtype, bucket.device)
+    one_at_a_time = bucket.offloaded and not bucket.overlapped
+    # bucket.delta's own scratch is the send buffer, unless it must be freed at once
+    send = torch.empty(bucket.numel(), dtype=half_dtype, device=bucket.device) \
+        if one_at_a_time else None
     # one chunked pass: (anchor - params) / ws rounded to half, and with error feedback
     # what the rounding lost goes into the residual
     send = bucket.delta(half_dtype, scale=scale, out=send, residual=residual)
@@ -259,11 +160,11 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> tor
         bucket.record_sent(send)
         dist.all_reduce(send, group=group)
         return completed(send.cpu())  # the device buffer is free for the next bucket
-    return allreduce_sum_fut(group, send, bucket)
+    return allreduce_sum(group, send, bucket)
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.float16],
-                prepare_bucket=_prepare_bucket, linear=True)
+                prepare_bucket=_FAMILY.prepare_bucket, linear=True)
 def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as float16.
 
@@ -296,7 +197,7 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.bfloat16],
-                prepare_bucket=_prepare_bucket, linear=True)
+                prepare_bucket=_FAMILY.prepare_bucket, linear=True)
 def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as bfloat16.
 

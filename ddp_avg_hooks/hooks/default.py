@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._groups import check_group, is_member, or_world
+from .._groups import check_group, or_world
 from ..bucket import ParamBucket
+from ..collectives import exact_average
 from ..protocol import averaging_hook
-from ._comm import allreduce_sum_fut, completed
 
 
 def _group(state) -> dist.ProcessGroup:
@@ -40,13 +40,4 @@ def allreduce_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         [True, False, True, False]
         >>> handle.remove(); dist.destroy_process_group()
     """
-    group = _group(state)
-    if not is_member(group):
-        return completed(bucket.buffer())
-    world_size = dist.get_world_size(group)
-    if world_size & (world_size - 1) == 0:
-        # 1/world_size is exact: fuse the division into the copy, bit-identical to dividing
-        buffer = bucket._scaled_buffer(1.0 / world_size)
-    else:
-        buffer = bucket.buffer().div_(world_size)
-    return allreduce_sum_fut(group, buffer, bucket)
+    return exact_average(_group(state), bucket)

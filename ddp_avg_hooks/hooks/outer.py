@@ -167,13 +167,14 @@ class OuterOptimizerState:
 
         Applies a state dict loaded earlier for this bucket, if any.
         """
-        self._outer(bucket)
+        self.outer(bucket)
 
-    def _outer(self, bucket: ParamBucket) -> _BucketOuter:
+    def outer(self, bucket: ParamBucket) -> _BucketOuter:
+        """``bucket``'s outer parameter and optimizer (``.param``, ``.optimizer``), made on first use."""
         return self._buckets.get(bucket)
 
     def _create(self, bucket: ParamBucket) -> _BucketOuter:
-        param = bucket._stored_anchor().detach().clone()  # host memory when offloaded
+        param = bucket.stored_anchor().detach().clone()  # host memory when offloaded
         return _BucketOuter(param, self._factory([param]))
 
     # --- checkpointing ------------------------------------------------------------------
@@ -270,9 +271,10 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
             return inner_fut  # not averaging here: leave the parameters alone
         # an inner result that is the averaged change is the pseudo-gradient itself;
         # this hook returns new values either way
-        inner_gives_change, bucket._result_is_delta = bucket._result_is_delta, False
-        outer = state._outer(bucket)
-        anchor = bucket._stored_anchor()  # host memory with offload_state=True: step there
+        inner_gives_change = bucket.result_is_delta
+        bucket.mark_result_as_values()
+        outer = state.outer(bucket)
+        anchor = bucket.stored_anchor()  # host memory with offload_state=True: step there
         scratch = None if bucket.offloaded else bucket.workspace()
 
         def outer_step(fut: torch.futures.Future) -> torch.Tensor:

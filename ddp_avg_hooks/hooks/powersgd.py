@@ -49,8 +49,8 @@ import torch.distributed as dist
 from .._checks import check_bool, check_int
 from .._groups import check_group, is_member, or_world
 from ..bucket import ParamBucket
+from ..collectives import completed
 from ..protocol import averaging_hook
-from ._comm import completed
 from ._per_bucket import PerBucket
 from ._powersgd_memory import BucketMemory, load_bucket, save_bucket
 
@@ -173,8 +173,13 @@ class PowerSGDState:
         gen.manual_seed(key % (2**63))
         return torch.randn(numel, generator=gen, dtype=dtype).to(device)
 
-    def _bucket_memory(self, bucket: ParamBucket) -> BucketMemory:
+    def bucket_memory(self, bucket: ParamBucket) -> BucketMemory:
+        """``bucket``'s factors, warm-start ``Q`` and error feedback (made on first use)."""
         return self._memory.get(bucket)
+
+    def memory_of(self, index: int) -> BucketMemory:
+        """The memory of the bucket with ``index`` (``KeyError`` before its first use)."""
+        return self._memory[index]
 
     # --- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -229,7 +234,7 @@ def _validate_state(state) -> None:
 def _prepare_bucket(state: PowerSGDState, bucket: ParamBucket) -> None:
     """Create the bucket's memory at registration (a fresh handle's ``state_dict()``
     then has the structure a checkpoint loads into, as torch.distributed.checkpoint needs)."""
-    state._bucket_memory(bucket)
+    state.bucket_memory(bucket)
 
 
 @averaging_hook(needs_anchor=True, validate_state=_validate_state, prepare_bucket=_prepare_bucket,
@@ -272,7 +277,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
     round_ = state.round
     if bucket.is_last():
         state.round += 1
-    mem = state._bucket_memory(bucket)
+    mem = state.bucket_memory(bucket)
     layout = mem.layout
     anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
     # C lives in the workspace when the dtypes agree: each part of it is read for the
@@ -297,7 +302,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
     for off, n, m, r, p_off, q_off in layout.matrices:
         ci = c[off : off + n * m].view(n, m)
         # factors are stored transposed, P^T (r x n) and Q^T (r x m): for small r, BLAS
-        # runs these products ~10x faster than with n x r / m x r row-major factors
+        # runs these products much faster than with n x r / m x r row-major factors
         pt = p_all[p_off : p_off + n * r].view(r, n)
         qt = q_all[q_off : q_off + m * r].view(r, m)
         if state.warm_start:  # a Q that collapsed to zero (zero delta) would stay zero

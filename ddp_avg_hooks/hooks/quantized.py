@@ -76,24 +76,19 @@ round a step staler, which costs more loss than the wait costs time.)
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 
 from .. import ops
-from .._checks import check_bool, check_int
-from .._groups import check_group, is_member, or_world
+from .._checks import check_int
+from .._groups import is_member
 from ..bucket import ParamBucket
+from ..collectives import completed
 from ..ops import QuantLayout
 from ..protocol import averaging_hook
-from ._comm import completed
-from ._per_bucket import PerBucket
-from .compress import _sub_
+from ._delta import DeltaHookFamily, DeltaState
 
-_OWNER = "QuantizedDeltaState"
 DEFAULT_BLOCK_SIZE = 128
-_MEMORY_KEY = "quant_residual"
 
 
 def _compute_dtype(bucket: ParamBucket) -> torch.dtype:
@@ -104,40 +99,7 @@ def _zeros(bucket: ParamBucket) -> torch.Tensor:
     return torch.zeros(bucket.numel(), dtype=_compute_dtype(bucket), device=bucket.device)
 
 
-def _load_residual(mine: torch.Tensor, saved: torch.Tensor) -> None:
-    if mine.numel() != saved.numel():
-        raise ValueError(f"it holds {mine.numel()} elements, the checkpoint {saved.numel()}")
-    mine.copy_(saved)
-
-
-class _Scratch:
-    """A bucket's payload buffers for one layout: reused from round to round."""
-
-    __slots__ = ("layout", "send", "recv")
-
-    def __init__(self, layout: QuantLayout, device: torch.device) -> None:
-        self.layout = layout
-        # send doubles as the all-gather's output once the all-to-all has read it
-        self.send = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device)
-        self.recv = torch.zeros_like(self.send)
-
-    def _memory_tensors(self):
-        yield from (("scratch", t) for t in (self.send, self.recv))
-
-
-def _scratch(table, bucket: ParamBucket, layout: QuantLayout) -> _Scratch:
-    s = table.get(bucket)
-    if s is None or s.layout != layout:
-        s = table[bucket] = _Scratch(layout, bucket.device)
-    return s
-
-
-# With state None / a ProcessGroup the residual lives in bucket.memory()[_MEMORY_KEY];
-# this weak table only caches each bucket's payload buffers.
-_SCRATCH: weakref.WeakKeyDictionary[ParamBucket, _Scratch] = weakref.WeakKeyDictionary()
-
-
-class QuantizedDeltaState:
+class QuantizedDeltaState(DeltaState):
     """Options and error-feedback memory for :func:`int8_compress_hook` / :func:`int4_compress_hook`.
 
     Args:
@@ -160,93 +122,59 @@ class QuantizedDeltaState:
         ValueError: QuantizedDeltaState: block_size must be even (int4 packs two codes per byte, never across blocks), got 63; try 64 or 128
     """
 
-    __slots__ = ("block_size", "error_feedback", "process_group", "_residuals", "_scratch")
+    __slots__ = ("block_size",)
+    owner = "QuantizedDeltaState"
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, error_feedback: bool = True,
                  process_group: dist.ProcessGroup | None = None) -> None:
-        check_int("block_size", block_size, 2, owner=_OWNER, fix="try 64 or 128")
+        check_int("block_size", block_size, 2, owner=self.owner, fix="try 64 or 128")
         if block_size % 2:
             raise ValueError(
-                f"{_OWNER}: block_size must be even (int4 packs two codes per byte, never "
+                f"{self.owner}: block_size must be even (int4 packs two codes per byte, never "
                 f"across blocks), got {block_size}; try 64 or 128"
             )
         self.block_size = block_size
-        self.error_feedback = check_bool("error_feedback", error_feedback, owner=_OWNER)
-        self.process_group = check_group(process_group, _OWNER)
-        self._residuals: PerBucket[torch.Tensor] = PerBucket(
-            _OWNER, create=_zeros, save=torch.clone, load=_load_residual, numel=torch.Tensor.numel)
-        self._scratch: weakref.WeakKeyDictionary[ParamBucket, _Scratch] = weakref.WeakKeyDictionary()
+        super().__init__(process_group, error_feedback)
 
-    def _memory_tensors(self):
-        yield from (("residuals", t) for _, t in self._residuals.items())
-        for s in list(self._scratch.values()):
-            yield from s._memory_tensors()
+    def new_residual(self, bucket: ParamBucket) -> torch.Tensor:
+        return _zeros(bucket)
 
-    def state_dict(self) -> dict:
-        """This rank's residuals (``bucket.index() -> tensor``) and the options."""
-        return {"block_size": self.block_size, "error_feedback": self.error_feedback,
-                "residuals": self._residuals.state_dict()}
+    def settings(self) -> dict:
+        return {"block_size": self.block_size, "error_feedback": self.error_feedback}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore residuals saved by :meth:`state_dict` (before or after the first round)."""
         saved = int(state_dict["block_size"])
         if saved != self.block_size:
             raise ValueError(
-                f"{_OWNER}.load_state_dict: the checkpoint has block_size={saved}, this state "
-                f"{self.block_size}; use the same block_size to resume"
+                f"{self.owner}.load_state_dict: the checkpoint has block_size={saved}, this "
+                f"state {self.block_size}; use the same block_size to resume"
             )
-        self.error_feedback = bool(state_dict["error_feedback"])
-        self._residuals.load_state_dict(state_dict["residuals"])
-
-    def __getstate__(self) -> dict:  # process groups do not pickle
-        return self.state_dict()
+        super().load_state_dict(state_dict)
 
     def __setstate__(self, s: dict) -> None:
         self.__init__(s["block_size"], s["error_feedback"])
         self.load_state_dict(s)
 
     def __repr__(self) -> str:
-        return (f"{_OWNER}(block_size={self.block_size}, error_feedback={self.error_feedback}, "
+        return (f"{self.owner}(block_size={self.block_size}, error_feedback={self.error_feedback}, "
                 f"process_group={self.process_group!r})")
 
 
-def _validator(name: str):
-    def validate_state(state) -> None:
-        if not isinstance(state, QuantizedDeltaState):
-            check_group(state, name, what="state",
-                        also="a QuantizedDeltaState(block_size=..., error_feedback=...)")
-
-    return validate_state
+_FAMILY = DeltaHookFamily(QuantizedDeltaState, "quant_residual", _zeros,
+                          "a QuantizedDeltaState(block_size=..., error_feedback=...)")
+_VALIDATORS = {8: _FAMILY.validator("int8_compress_hook"),
+               4: _FAMILY.validator("int4_compress_hook")}
 
 
-_VALIDATORS = {8: _validator("int8_compress_hook"), 4: _validator("int4_compress_hook")}
-
-
-def _bucket_residual(bucket: ParamBucket) -> torch.Tensor:
-    """The residual kept in ``bucket.memory()`` (so the handle checkpoints it)."""
-    stored = bucket.memory().get(_MEMORY_KEY)
-    if stored is None:
-        stored = bucket.memory()[_MEMORY_KEY] = _zeros(bucket)
-    return stored
-
-
-def _options(state, bucket: ParamBucket, bits: int):
-    """(group, block size, residual or None, scratch table) for a hook call."""
-    if isinstance(state, QuantizedDeltaState):
-        residual = state._residuals.get(bucket) if state.error_feedback else None
-        return or_world(state.process_group), state.block_size, residual, state._scratch
-    _VALIDATORS[bits](state)
-    return or_world(state), DEFAULT_BLOCK_SIZE, _bucket_residual(bucket), _SCRATCH
-
-
-def _prepare_bucket(state, bucket: ParamBucket) -> None:
-    """Create the residual at registration, so a fresh handle's ``state_dict()`` already
-    has the structure a checkpoint loads into."""
-    if isinstance(state, QuantizedDeltaState):
-        if state.error_feedback:
-            state._residuals.get(bucket)
-    else:
-        _bucket_residual(bucket)
+def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out <- a - half``: the result of ``torch.sub(a, half, out=out)``, computed for a
+    float32/float64 ``out`` by widening ``half`` into ``out`` first (exact), so the
+    subtraction runs with one dtype (a mixed-dtype ``torch.sub`` takes a slow path on CPU)."""
+    if out.dtype in (torch.float32, torch.float64) and out.data_ptr() != a.data_ptr():
+        out.copy_(half)
+        return torch.sub(a, out, out=out)
+    return torch.sub(a, half, out=out)
 
 
 def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
@@ -255,19 +183,24 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
 
 
 def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.futures.Future:
-    group, block_size, residual, table = _options(state, bucket, bits)
+    _VALIDATORS[bits](state)
+    group, residual = _FAMILY.group_and_residual(state, bucket)
     if not is_member(group):
         return completed(bucket.buffer())
+    block_size = state.block_size if isinstance(state, QuantizedDeltaState) else DEFAULT_BLOCK_SIZE
     n, rank, numel = dist.get_world_size(group), dist.get_rank(group), bucket.numel()
     layout = QuantLayout.for_bucket(numel, n, block_size, bits)
-    bufs = _scratch(table, bucket, layout)
+    # the payload buffers, reused round after round; send doubles as the all-gather's
+    # output once the all-to-all has read it
+    send = bucket.scratch("quant_send", dtype=torch.uint8, numel=layout.total_bytes)
+    recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=layout.total_bytes)
     ct = _compute_dtype(bucket)
     anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
     # the delta is read for the last time before the result overwrites the workspace
     delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
-    ops.quantize_blocks(delta, bufs.send, layout, residual=residual, residual_out=residual)
-    bucket.record_sent(*layout.payload(bufs.send, numel))
-    exchange = dist.all_to_all_single(bufs.recv, bufs.send, group=group, async_op=True)
+    ops.quantize_blocks(delta, send, layout, residual=residual, residual_out=residual)
+    bucket.record_sent(*layout.payload(send, numel))
+    exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
     result = torch.futures.Future()
 
     def reduce_and_gather() -> None:
@@ -277,21 +210,21 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
         exchange.wait()
         size, start = layout.piece_bytes, rank * layout.piece_elems
         valid = min(max(numel - start, 0), layout.piece_elems)
-        total = ops.dequantize_blocks(bufs.recv, layout, delta[:valid], sum_pieces=True)
-        mine = bufs.send[rank * size : (rank + 1) * size]
+        total = ops.dequantize_blocks(recv, layout, delta[:valid], sum_pieces=True)
+        mine = send[rank * size : (rank + 1) * size]
         ops.quantize_blocks(total, mine, layout.one_piece(),
                             residual_out=total if residual is not None else None)
         if residual is not None:  # total now holds T - R: the requantization's loss
             residual[start : start + valid].add_(total)
-        _all_gather(bufs.send, mine, group).get_future().add_done_callback(decompress)
+        _all_gather(send, mine, group).get_future().add_done_callback(decompress)
 
     def decompress(gathered: torch.futures.Future) -> None:
         try:
             gathered.wait()  # raises if the all-gather failed
             if out.dtype == ct:  # new = anchor - R in one pass
-                value = ops.dequantize_blocks(bufs.send, layout, out, base=anchor)
+                value = ops.dequantize_blocks(send, layout, out, base=anchor)
             else:
-                value = _sub_(anchor, ops.dequantize_blocks(bufs.send, layout, delta), out)
+                value = _sub_(anchor, ops.dequantize_blocks(send, layout, delta), out)
         except Exception as exc:
             result.set_exception(exc)
         else:
@@ -301,7 +234,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     return result
 
 
-@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_prepare_bucket,
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_FAMILY.prepare_bucket,
                 linear=True)
 def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int8.
@@ -333,7 +266,7 @@ def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     return _quantized_delta_hook(state, bucket, 8)
 
 
-@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4], prepare_bucket=_prepare_bucket,
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4], prepare_bucket=_FAMILY.prepare_bucket,
                 linear=True)
 def int4_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int4.

@@ -53,7 +53,8 @@ from __future__ import annotations
 
 import torch
 
-from ..hooks._comm import completed
+from .. import ops
+from ..collectives import completed
 from ..protocol import averaging_hook
 
 __all__ = ["TorchftState", "allreduce_hook", "FaultTolerantAveraging"]
@@ -154,7 +155,7 @@ class FaultTolerantAveraging:
             raise RuntimeError("FaultTolerantAveraging: after the quorum this replica's "
                                f"step {self.handle.step_count} is no averaging step")
         self.participants = self.manager.num_participants()
-        saved = [torch.cat([p.detach().reshape(-1) for p in b.parameters()])
+        saved = [ops.flatten(b.parameters(), torch.empty(b.numel(), dtype=b.dtype, device=b.device))
                  for b in self.handle.buckets]
         averaged = self.handle.step()
         if self.manager.should_commit():
@@ -163,8 +164,5 @@ class FaultTolerantAveraging:
         self.discarded += 1
         with torch.no_grad():  # the round failed somewhere: undo what it wrote
             for bucket, flat in zip(self.handle.buckets, saved):
-                offset = 0
-                for p in bucket.parameters():
-                    p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                ops.unflatten_(flat, bucket.parameters())
         return False

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .rounds import AveragingHookError
+from .errors import AveragingHookError
 
 _STOPPED = ("Every rank must run the same rounds: with EverySeconds, end the loop on "
             "handle.rounds_started, not on a step count")

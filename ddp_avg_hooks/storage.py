@@ -1,0 +1,312 @@
+"""Where a bucket's parameters and state live: device memory, host memory, or one flat buffer.
+
+A :class:`~ddp_avg_hooks.ParamBucket` delegates every tensor it keeps to one storage
+object, chosen at registration:
+
+* :class:`DeviceStorage` (the default): the flat buffer, the anchor and hook memory on
+  the parameters' device.
+* :class:`HostStorage` (``offload_state=True``): the anchor and hook memory in host
+  memory, pinned when the parameters are on CUDA, copied in and out one bucket at a
+  time.
+* :class:`ZeroCopyStorage` (``zero_copy=True``): the parameters become views of the
+  bucket's flat buffer, so an exact round runs on the parameters' own storage.
+
+All three give the same results bit for bit (the same ops run on the same values);
+they differ in what memory a round needs and where.
+
+**Host memory** (``offload_state=True``). Each op that needs the anchor or a residual
+copies that bucket's part to the parameters' device, runs the same op as device
+storage, and copies back what it wrote. Between rounds the device holds nothing but
+the parameters; during a round the half-precision hooks run one bucket at a time (they
+wait for each bucket's all-reduce and keep its result in host memory), so about two
+buckets' worth (``bucket_cap_mb``) at a time. Hooks that read ``bucket.anchor()``
+itself (PowerSGD, the 8/4-bit hooks, your own) get a device copy that lives until the
+round is written back. The outer optimizer steps in host memory, where its parameter
+lives, which for SGD's elementwise arithmetic gives the device's bits.
+
+**Zero copy** (``zero_copy=True``). Once, at registration, the parameters are copied
+into one flat tensor and each becomes a view of it (``p.data = flat[offset:offset +
+p.numel()].view(p.shape)``). What changes for the user: each parameter's
+``data_ptr()`` (once) and its memory format, which becomes contiguous. The
+``Parameter`` objects stay the same, so the optimizer, its state and DDP keep working.
+An exact round then runs the collective on the parameters themselves: ``buffer()``
+*is* the parameters, a result that is that storage is not copied back, and the bucket
+keeps no model-size buffer. Hooks that write a result of their own (``workspace()``)
+get a separate scratch, so they never overwrite the parameters before their result is
+checked. Checks that must see a result before anything changes (``check_finite=True``)
+make ``buffer()`` a copy again (``in_place=False``), so a rejected round changes
+nothing. Without them, what a hook does to ``buffer()`` it does to the parameters: the
+exact hook divides and all-reduces in place, so a collective that fails midway (a peer
+died) leaves the buckets whose collectives had started partly reduced, as any in-place
+all-reduce does; resume from a checkpoint (:mod:`ddp_avg_hooks.checkpoint`). Rounds
+overlapped with training need the parameters free during a round, so ``zero_copy`` and
+``overlap`` exclude each other.
+
+Example:
+    >>> import torch
+    >>> from ddp_avg_hooks.storage import HostStorage, ZeroCopyStorage
+    >>> host = HostStorage([torch.nn.Parameter(torch.ones(3))])
+    >>> host.keep_anchor(); host.state_device, host.anchor.tolist()
+    (device(type='cpu'), [1.0, 1.0, 1.0])
+    >>> ps = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.zeros(3))]
+    >>> zero = ZeroCopyStorage(ps)
+    >>> ps[1].data_ptr() == zero.buffer().data_ptr() + 4 * 4  # a view of the bucket's storage
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from . import ops
+
+__all__ = ["DeviceStorage", "HostStorage", "ZeroCopyStorage"]
+
+
+class DeviceStorage:
+    """A bucket's tensors on the parameters' device (the default placement).
+
+    Args:
+        params: the bucket's parameters (one device and dtype).
+
+    The flat buffer is allocated on first use, so a hook that never calls
+    ``buffer()`` or ``workspace()`` costs no memory for it.
+    """
+
+    #: whether anchors and hook memory live in host memory
+    offloaded = False
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        first = self.params[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.numel = sum(p.numel() for p in self.params)
+        #: the anchor where it is kept (``None``: the bucket keeps none)
+        self.anchor: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def state_device(self) -> torch.device:
+        """Where anchors and hook memory live."""
+        return self.device
+
+    def empty(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """An uninitialised flat tensor of the bucket's size on the parameters' device."""
+        return torch.empty(self.numel, dtype=dtype or self.dtype, device=self.device)
+
+    # --- the round's flat buffers --------------------------------------------------------
+    def buffer(self) -> torch.Tensor:
+        """The flat buffer a round's values are built in."""
+        if self._flat is None:
+            self._flat = self.empty()
+        return self._flat
+
+    def load(self, scale: float | None = None) -> torch.Tensor:
+        """:meth:`buffer` filled with the parameters (times ``scale``, in one pass)."""
+        return ops.flatten(self.params, self.buffer(), scale)
+
+    def workspace(self) -> torch.Tensor:
+        """A flat tensor a hook may overwrite entirely with its result."""
+        return self.buffer()
+
+    # --- the anchor and hook memory ------------------------------------------------------
+    def keep_anchor(self) -> None:
+        """Allocate the anchor and make it the current parameters."""
+        self.anchor = self.new_state()
+        self.reset_anchor()
+
+    def reset_anchor(self) -> None:
+        """Make the current parameters the anchor (a no-op without one)."""
+        if self.anchor is not None:
+            ops.flatten(self.params, self.anchor)
+
+    def hook_anchor(self) -> torch.Tensor | None:
+        """The anchor on the parameters' device, as a hook reads it during a round."""
+        return self.anchor
+
+    def op_anchor(self) -> torch.Tensor:
+        """The anchor where an op on the parameters' device can read and write it."""
+        return self.anchor
+
+    def for_op(self, stored: torch.Tensor) -> torch.Tensor:
+        """``stored`` (anchor or hook memory) where an op on the parameters' device can use it."""
+        return stored
+
+    def commit(self, stored: torch.Tensor, used: torch.Tensor) -> None:
+        """Keep in ``stored`` what an op wrote into ``used`` (from :meth:`for_op`)."""
+
+    def new_state(self, dtype: torch.dtype | None = None, numel: int | None = None) -> torch.Tensor:
+        """Zeros where this storage keeps state across rounds (:attr:`state_device`)."""
+        pin = self.state_device.type == "cpu" and self.device.type == "cuda"
+        return torch.zeros(self.numel if numel is None else numel, dtype=dtype or self.dtype,
+                           device=self.state_device, pin_memory=pin)
+
+    # --- writing a round's result --------------------------------------------------------
+    @torch.no_grad()
+    def write(self, values: torch.Tensor) -> None:
+        """``params <- values`` in place; the anchor (if kept) takes the same values."""
+        ops.apply_(values.reshape(-1), self.params, self.anchor)
+
+    @torch.no_grad()
+    def write_change(self, change: torch.Tensor) -> None:
+        """``params <- anchor - change`` in place, and the anchor follows (chunked)."""
+        anchor = self.op_anchor()
+        ops.apply_delta_(anchor, self.on_device(change), self.params)
+        self.commit(self.anchor, anchor)
+        self.end_round()
+
+    @torch.no_grad()
+    def write_with_progress(self, values: torch.Tensor, launch: torch.Tensor,
+                            mixing: float | None) -> None:
+        """Apply an overlapped round; the anchor becomes ``values``.
+
+        ``mixing=None``: ``params <- params + (values - launch)``, keeping the local
+        progress made since the round began (``launch``: the parameters then; it is
+        overwritten). ``mixing=alpha``: ``params <- alpha * params + (1 - alpha) * values``.
+        """
+        values = self.on_device(values)
+        if mixing is not None:
+            torch._foreach_lerp_(self.params, ops.split_like(values, self.params), 1.0 - mixing)
+        else:
+            correction = launch.neg_().add_(values)
+            torch._foreach_add_(self.params, ops.split_like(correction, self.params))
+        if self.anchor is not None:
+            self.anchor.copy_(values)
+        self.end_round()
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A flat result where the parameters are (an outer optimizer may step elsewhere)."""
+        return t.reshape(-1)
+
+    def end_round(self) -> None:
+        """Drop what the round kept on the device for this bucket."""
+
+    # --- accounting ----------------------------------------------------------------------
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(kind, tensor)`` for every tensor this storage holds (see :mod:`ddp_avg_hooks.memory`)."""
+        if self._flat is not None:
+            yield "bucket_buffers", self._flat
+        if self.anchor is not None:
+            yield "anchors", self.anchor
+
+
+class HostStorage(DeviceStorage):
+    """Anchors and hook memory in host memory (``offload_state=True``; see the module)."""
+
+    offloaded = True
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        super().__init__(params)
+        self._staged: torch.Tensor | None = None  # the anchor on the device, for this round
+
+    @property
+    def state_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        # a fresh copy even when the state already is on the parameters' device (a CPU
+        # run), so the copies in and out are the same code on every device
+        return t.to(self.device, non_blocking=t.is_pinned(), copy=True)
+
+    @torch.no_grad()
+    def reset_anchor(self) -> None:
+        # parameter by parameter into views of the host anchor: no device copy of the bucket
+        if self.anchor is not None:
+            for a, p in zip(ops.split_like(self.anchor, self.params), self.params):
+                a.copy_(p)
+
+    def hook_anchor(self) -> torch.Tensor | None:
+        """A device copy of the anchor, made at the first call of a round and kept until
+        the round is written back."""
+        if self.anchor is None:
+            return None
+        if self._staged is None:
+            self._staged = self._to_device(self.anchor)
+        return self._staged
+
+    def op_anchor(self) -> torch.Tensor:
+        return self._staged if self._staged is not None else self._to_device(self.anchor)
+
+    def for_op(self, stored: torch.Tensor) -> torch.Tensor:
+        return self._to_device(stored) if stored.device == self.state_device else stored
+
+    def commit(self, stored: torch.Tensor, used: torch.Tensor) -> None:
+        if used is not stored:
+            stored.copy_(used)
+
+    @torch.no_grad()
+    def write(self, values: torch.Tensor) -> None:
+        ops.apply_(self.on_device(values), self.params)
+        self.reset_anchor()
+        self.end_round()
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(-1)
+        return t if t.device == self.device else self._to_device(t)
+
+    def end_round(self) -> None:
+        self._staged = None
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from super().tensors()
+        if self._staged is not None:  # only during a round
+            yield "scratch", self._staged
+
+
+class ZeroCopyStorage(DeviceStorage):
+    """The parameters as views of the bucket's flat buffer (``zero_copy=True``; see the module).
+
+    Args:
+        params: the bucket's parameters; each becomes a view of the flat buffer, once.
+        in_place: rounds work on the parameters' storage (``False``: ``buffer()`` is a
+            copy, for checks that must see a result before it is written).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], in_place: bool = True) -> None:
+        super().__init__(params)
+        flat = self.empty()
+        with torch.no_grad():
+            ops.flatten(self.params, flat)
+            for p, view in zip(self.params, ops.split_like(flat, self.params)):
+                p.data = view
+        self._flat = flat  # the parameters' storage
+        self.in_place = in_place
+        self._copy: torch.Tensor | None = None  # buffer() when not in place
+        self._work: torch.Tensor | None = None  # workspace(): never the parameters
+
+    def buffer(self) -> torch.Tensor:
+        if self.in_place:
+            return self._flat
+        if self._copy is None:
+            self._copy = torch.empty_like(self._flat)
+        return self._copy
+
+    def load(self, scale: float | None = None) -> torch.Tensor:
+        out = self.buffer()
+        if not self.in_place:
+            out.copy_(self._flat)
+        return out if scale is None else out.mul_(scale)
+
+    def workspace(self) -> torch.Tensor:
+        if self._work is None:
+            self._work = torch.empty_like(self._flat)
+        return self._work
+
+    def keep_anchor(self) -> None:
+        self.anchor = self._flat.clone()
+
+    @torch.no_grad()
+    def write(self, values: torch.Tensor) -> None:
+        values = values.reshape(-1)
+        if values.data_ptr() != self._flat.data_ptr():
+            self._flat.copy_(values)
+        if self.anchor is not None:
+            self.anchor.copy_(self._flat)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # the flat buffer is the parameters: only the scratch a hook asked for counts
+        yield from (("scratch", t) for t in (self._copy, self._work) if t is not None)
+        if self.anchor is not None:
+            yield "anchors", self.anchor
