@@ -12,7 +12,7 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 TEST_WORKERS ?= 2
 PYTEST_FLAGS ?=
 
-.PHONY: install ext test demo bench bench-sweep clean
+.PHONY: install ext lint test demo bench bench-sweep clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,11 @@ install: $(VENV)/.installed
 ext: install
 	$(PY) -c "from ddp_avg_hooks import ops; print('ops backend:', ops.backend())"
 
-test: ext
-	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_FLAGS)
+lint: install
+	$(PY) -m ruff check .
+
+test: ext lint
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_FLAGS)
 
 demo: ext
 	PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m harness.demo

@@ -23,7 +23,8 @@ def check_int(name: str, value, minimum: int, *, owner: str = "", fix: str = "")
         raise TypeError(f"{_prefix(owner)}{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(
-            f"{_prefix(owner)}{name} must be >= {minimum}, got {value}" + (f"; {fix}" if fix else "")
+            f"{_prefix(owner)}{name} must be >= {minimum}, got {value}"
+            + (f"; {fix}" if fix else "")
         )
     return value
 

@@ -93,7 +93,7 @@ def _is_rank_zero() -> bool:
 
 
 def _announce_build(build_dir: Path) -> None:
-    """Say on rank 0, before a first build in ``build_dir``, what is happening and how to avoid it."""
+    """Say on rank 0, before a first build in ``build_dir``, what happens and how to avoid it."""
     if any(build_dir.glob("*.so")) or not _is_rank_zero():
         return
     sys.stderr.write(

@@ -60,7 +60,8 @@ def split_like(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch
 def flatten(
     params: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """``out <- cat([p.flatten() for p in params]) * scale``, cast to ``out.dtype``; returns ``out``."""
+    """``out <- cat([p.flatten() for p in params]) * scale``, cast to ``out.dtype``; returns
+    ``out``."""
     views = split_like(out, params)
     if scale is None:
         for v, p in zip(views, params):
@@ -125,7 +126,8 @@ def feedback_cast(anchor: torch.Tensor, params: Sequence[torch.Tensor], residual
 
 
 @torch.no_grad()
-def apply_delta_(anchor: torch.Tensor, change: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
+                 params: Sequence[torch.Tensor]) -> None:
     """``params <- anchor - change`` in place (rounded to each parameter's dtype), then
     ``anchor <- params``: a round whose result is the averaged change."""
     for a, c, p in zip(split_like(anchor, params), split_like(change, params), params):

@@ -47,7 +47,8 @@ def or_world(group):
 
 
 def group_of_state(state):
-    """The process group a hook state names: the state itself, its ``process_group``, or ``None``."""
+    """The process group a hook state names: the state itself, its ``process_group``, or
+    ``None``."""
     if is_group(state):
         return state
     group = getattr(state, "process_group", None)

@@ -62,11 +62,13 @@ class QuantLayout:
         if self.bits not in QMAX:
             raise ValueError(f"QuantLayout: bits must be 8 or 4, got {self.bits}")
         if self.block_size < 2 or self.block_size % 2:
-            raise ValueError(f"QuantLayout: block_size must be even and >= 2, got {self.block_size}")
+            raise ValueError(
+                f"QuantLayout: block_size must be even and >= 2, got {self.block_size}")
         if self.pieces < 1 or self.piece_elems < 0 or self.piece_elems % self.block_size:
             raise ValueError(
                 f"QuantLayout: need pieces >= 1 and piece_elems a multiple of block_size, got "
-                f"pieces={self.pieces}, piece_elems={self.piece_elems}, block_size={self.block_size}"
+                f"pieces={self.pieces}, piece_elems={self.piece_elems}, "
+                f"block_size={self.block_size}"
             )
 
     @classmethod
@@ -112,7 +114,8 @@ class QuantLayout:
         return rows[:, : 4 * self.blocks].view(torch.float32)
 
     def codes(self, packed: torch.Tensor) -> torch.Tensor:
-        """The ``(pieces, piece_elems * bits / 8)`` code bytes (no padding), a view of ``packed``."""
+        """The ``(pieces, piece_elems * bits / 8)`` code bytes (no padding), a view of
+        ``packed``."""
         rows = packed.view(self.pieces, self.piece_bytes)
         start = 4 * self.blocks
         return rows[:, start : start + self.piece_elems * self.bits // 8]

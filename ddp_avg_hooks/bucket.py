@@ -320,7 +320,8 @@ class ParamBucket:
         """
         self._round.defer(fn)
 
-    def new_state(self, dtype: torch.dtype | None = None, *, numel: int | None = None) -> torch.Tensor:
+    def new_state(self, dtype: torch.dtype | None = None, *,
+                  numel: int | None = None) -> torch.Tensor:
         """Zeros (``numel()`` elements, the bucket's dtype unless given) where this bucket
         keeps state across rounds: ``state_device``, the parameters' device unless the
         registration keeps state in host memory (``offload_state=True``; pinned when the
@@ -426,10 +427,12 @@ class ParamBucket:
 
     def layout(self) -> tuple:
         """(device type, dtype, shapes): what must agree across ranks."""
-        return (self.device.type, str(self.dtype), tuple(tuple(p.shape) for p in self._storage.params))
+        shapes = tuple(tuple(p.shape) for p in self._storage.params)
+        return (self.device.type, str(self.dtype), shapes)
 
     def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(kind, tensor)`` for every tensor this bucket holds (see :mod:`ddp_avg_hooks.memory`)."""
+        """``(kind, tensor)`` for every tensor this bucket holds (see
+        :mod:`ddp_avg_hooks.memory`)."""
         yield from self._storage.tensors()
         yield from (("scratch", t) for t in self._scratch.values())
         if self._launch is not None:

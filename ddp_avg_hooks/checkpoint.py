@@ -122,7 +122,8 @@ class RoundCheckpointer:
     def __init__(self, directory, handle, model: torch.nn.Module, optimizer, scheduler=None, *,
                  every_rounds: int = 1, keep: int = 2, process_group=None) -> None:
         self.directory = Path(directory)
-        self.handle, self.model, self.optimizer, self.scheduler = handle, model, optimizer, scheduler
+        self.handle, self.model = handle, model
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.every_rounds = check_int("every_rounds", every_rounds, 1, owner="RoundCheckpointer")
         self.keep = check_int("keep", keep, 1, owner="RoundCheckpointer")
         self.group = process_group
@@ -251,7 +252,8 @@ class RoundCheckpointer:
         out = {}
         for folder in self.directory.glob(f"{_PREFIX}*"):
             try:
-                out[int(folder.name[len(_PREFIX):])] = (folder / f"rank{self.rank}.done").read_text()
+                marker = folder / f"rank{self.rank}.done"
+                out[int(folder.name[len(_PREFIX):])] = marker.read_text()
             except (OSError, ValueError):  # no marker (not completed), or not a round folder
                 pass
         return out

@@ -28,7 +28,8 @@ def completed(value) -> torch.futures.Future:
 
 
 def allreduce_sum(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> torch.futures.Future:
-    """Sum ``tensor`` in place across ``group``, counting its bytes on ``bucket``; a future of it."""
+    """Sum ``tensor`` in place across ``group``, counting its bytes on ``bucket``; a future
+    of it."""
     bucket.record_sent(tensor)
     work = dist.all_reduce(tensor, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])

@@ -33,7 +33,8 @@ def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str
             return (f"the bucket layout differs: {len(theirs)} buckets {theirs_at}, "
                     f"{len(mine)} {mine_at}")
         i = next(i for i, (a, b) in enumerate(zip(theirs, mine)) if a != b)
-        return f"the bucket layout differs at bucket {i}: {theirs[i]} {theirs_at}, {mine[i]} {mine_at}"
+        return (f"the bucket layout differs at bucket {i}: {theirs[i]} {theirs_at}, "
+                f"{mine[i]} {mine_at}")
     return f"{key!r} differs: {theirs!r} {theirs_at}, {mine!r} {mine_at}"
 
 
@@ -248,7 +249,8 @@ class AveragingHandle:
                 self._plan.finished(rnd.completed_at)
 
     def memory_bytes(self) -> dict[str, dict[str, int]]:
-        """Bytes this registration holds, ``{kind: {device: bytes}}`` (see :mod:`ddp_avg_hooks.memory`)."""
+        """Bytes this registration holds, ``{kind: {device: bytes}}`` (see
+        :mod:`ddp_avg_hooks.memory`)."""
         return memory.count(self._engine.buckets, self.state,
                             [b for p in self._engine.policies for b in p.held_buckets()])
 

@@ -61,8 +61,6 @@ class NodeGroups:
 
     Example:
         >>> import torch.distributed as dist
-
-from ._checks import check_int
         >>> from ddp_avg_hooks.hierarchy import node_groups
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> g = node_groups(ranks_per_node=1)

@@ -24,8 +24,10 @@ Example:
     >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))  # 10 floats
     >>> handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None)
     >>> handle.average()
-    >>> {kind: d.get("cpu", 0) for kind, d in handle.memory_bytes().items()}
-    {'bucket_buffers': 0, 'anchors': 40, 'scratch': 20, 'residuals': 20, 'hook_state': 0, 'policies': 0}
+    >>> report = {kind: d.get("cpu", 0) for kind, d in handle.memory_bytes().items()}
+    >>> report  # doctest: +NORMALIZE_WHITESPACE
+    {'bucket_buffers': 0, 'anchors': 40, 'scratch': 20, 'residuals': 20,
+     'hook_state': 0, 'policies': 0}
     >>> handle.remove(); dist.destroy_process_group()
 """
 

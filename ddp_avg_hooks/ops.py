@@ -6,27 +6,33 @@ averaged change). Outside the extension they run in bounded chunks (no temporary
 size of the bucket); the extension takes them when the anchor has the parameters'
 dtype.
 
+Rules every implementation follows, bit for bit:
+
+* A flat buffer holds the parameters back to back, each in its *logical* (row-major)
+  order, whatever its memory format: ``flat[off:off + p.numel()].view(p.shape)``.
+* Arithmetic runs in float32 (float64 when any tensor of the parameter's computation
+  is float64) and the result is rounded once to the output dtype, to nearest-even,
+  as ``Tensor.to`` does.
+* Supported dtypes: float32, float16, bfloat16, float64. All tensors on one device.
+
 This module is the only one that knows where the ops come from. Each call is
 validated once, here (``ValueError`` for sizes, layout and devices, ``TypeError`` for
 dtypes), then routed, as ``torch.optim`` picks fused / foreach / for-loop kernels:
 
-* ``"extension"``: the C++ extension (see ``_ext``), when it is loaded and every
-  tensor is float32, float16 or bfloat16 on the CPU, or on CUDA when the extension
-  was built with CUDA;
-* ``"foreach"``: ``_fallback.foreach_*``, ``torch._foreach_*`` ops (float64, other
-  foreach-capable devices, or no extension);
-* ``"reference"``: the per-tensor loop of ``_fallback`` (tensor subclasses, devices
-  without foreach kernels).
+* ``"extension"``: the C++ extension, when it is loaded and every tensor is float32,
+  float16 or bfloat16 on the CPU, or on CUDA when the extension was built with CUDA;
+* ``"foreach"``: ``torch._foreach_*`` ops (float64, other foreach-capable devices, or
+  no extension);
+* ``"reference"``: a per-tensor loop in plain PyTorch (tensor subclasses, devices
+  without foreach kernels), the readable definition of each op.
 
-All three give identical results; the semantics are documented in ``_fallback``.
-
-The blockwise quantization ops (:func:`quantize_blocks`, :func:`dequantize_blocks`, over
-a :class:`QuantLayout`) run in the extension for float32 and in ``_quantize`` (plain
-PyTorch, also float64) otherwise, with the same bits.
-``backend()`` says whether the extension is in use. It is loaded (built the first
-time, ~1 min; ``make ext`` does it ahead) on the first op call or ``backend()``, never
-at import; ``DDP_AVG_HOOKS_DISABLE_EXT=1`` keeps it out. CPU calls of the extension
-use ``torch.get_num_threads()`` threads.
+All three give identical results. The blockwise quantization ops
+(:func:`quantize_blocks`, :func:`dequantize_blocks`, over a :class:`QuantLayout`) run in
+the extension for float32 and in plain PyTorch (also float64) otherwise, with the same
+bits. :func:`backend` says whether the extension is in use. It is loaded (built the
+first time, about a minute; ``make ext`` does it ahead) on the first op call or
+``backend()``, never at import; ``DDP_AVG_HOOKS_DISABLE_EXT=1`` keeps it out. CPU calls
+of the extension use ``torch.get_num_threads()`` threads.
 
 Example:
     >>> import torch
@@ -35,8 +41,6 @@ Example:
     >>> ops.unflatten_(torch.arange(10.0), ps)
     >>> ps[1].tolist()
     [6.0, 7.0, 8.0, 9.0]
-    >>> ops._route([torch.empty(10)], ps)  # float64 is not for the extension
-    'foreach'
     >>> ops.backend() in ("extension", "fallback")
     True
 """
@@ -166,7 +170,8 @@ split_like = _fallback.split_like
 def flatten(
     params: Sequence[torch.Tensor], out: torch.Tensor, scale: float | None = None
 ) -> torch.Tensor:
-    """``out <- cat([p.flatten() for p in params]) * scale``, cast to ``out.dtype``; returns ``out``."""
+    """``out <- cat([p.flatten() for p in params]) * scale``, cast to ``out.dtype``; returns
+    ``out``."""
     params = _as_list(params)
     _check_flat(out, params, "out", "flatten")
     _impl((out,), params).flatten(params, out, scale)
@@ -311,7 +316,8 @@ def _check_packed(packed, layout: QuantLayout, op: str) -> None:
 
 
 def _quant_impl(tensors: Sequence[torch.Tensor]):
-    """The extension for plain float32 tensors on a device it was built for, else ``_quantize``."""
+    """The extension for plain float32 tensors on a device it was built for, else ``None``
+    (the plain-PyTorch implementation)."""
     ext = _ext.load_extension()
     floats = [t for t in tensors if t.is_floating_point()]
     dev = tensors[0].device.type
@@ -334,7 +340,7 @@ def quantize_blocks(
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
 ) -> None:
-    """Quantize ``x + residual`` blockwise into ``packed`` (see ``_quantize``).
+    """Quantize ``x + residual`` blockwise into ``packed``.
 
     ``x`` (float32 or float64) holds at most ``layout.elems`` values, the rest count as
     zeros; ``residual`` and ``residual_out`` (what the rounding lost, ``v - D``) are

@@ -1,9 +1,9 @@
 """``AveragingOptimizer``: model averaging as a ``torch.optim.Optimizer``.
 
-The other shape of the same thing (the seed's "encapsulate model averaging algorithms
-as optimizers", like PyTorch's ``PostLocalSGDOptimizer``): one object that steps the
-local optimizer and then the averaging schedule, and whose ``state_dict()`` carries
-both, so the usual ``torch.save(opt.state_dict())`` checkpoint resumes averaging too.
+Averaging in the shape of an optimizer, like PyTorch's ``PostLocalSGDOptimizer``: one
+object that steps the local optimizer and then the averaging schedule, and whose
+``state_dict()`` carries both, so the usual ``torch.save(opt.state_dict())`` checkpoint
+resumes averaging too.
 """
 
 from __future__ import annotations

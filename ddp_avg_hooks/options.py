@@ -166,18 +166,19 @@ class AveragingOptions:
         check_int("fragments", self.fragments, 1)
         if self.mixing is not None:
             if isinstance(self.mixing, bool) or not isinstance(self.mixing, (int, float)):
-                raise TypeError(f"mixing must be a number in [0, 1] or None, got {type(self.mixing).__name__}")
+                raise TypeError("mixing must be a number in [0, 1] or None, got "
+                                f"{type(self.mixing).__name__}")
             if not 0.0 <= self.mixing <= 1.0:
                 raise ValueError(f"mixing must be in [0, 1], got {self.mixing}")
             if not self.overlap:
-                raise ValueError("mixing= sets how an overlapped round is applied: pass overlap=True too")
+                raise ValueError("mixing= sets how an overlapped round is applied: "
+                                 "pass overlap=True too")
         if self.on_round is not None and not callable(self.on_round):
             raise TypeError(
                 f"on_round must be callable(handle), got {type(self.on_round).__name__}"
             )
         self.schedule = as_schedule(self.period)
-        timed = isinstance(self.schedule, EverySeconds)
-        weighted = timed and self.schedule.weighted
+        timed, weighted = isinstance(self.schedule, EverySeconds), self.weighted
         if self.zero_copy and weighted:
             raise ValueError(
                 "zero_copy=True keeps no anchor, which EverySeconds' weighting by steps needs: "
@@ -199,14 +200,18 @@ class AveragingOptions:
                 "each fragment needs a step of its own within a period"
             )
 
+    @property
+    def weighted(self) -> bool:
+        """Whether rounds weigh ranks by their local steps (``EverySeconds(weighting="steps")``)."""
+        return isinstance(self.schedule, EverySeconds) and self.schedule.weighted
+
     def wants_anchor(self, hook_needs_anchor: bool) -> bool:
         """Whether buckets keep anchors: ``keep_anchor`` if given, else when the hook
         declares ``needs_anchor``, rounds overlap (the late correction needs one) or
         time-based rounds weigh ranks by their steps."""
         if self.keep_anchor is not None:
             return self.keep_anchor
-        weighted = isinstance(self.schedule, EverySeconds) and self.schedule.weighted
-        return hook_needs_anchor or self.overlap or weighted
+        return hook_needs_anchor or self.overlap or self.weighted
 
     @classmethod
     def doc(cls, name: str) -> str:

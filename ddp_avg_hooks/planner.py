@@ -112,7 +112,9 @@ class RoundPlanner:
         if self._launched is not None:  # the last round is not applied yet
             return None
         elapsed = self._clock() - self._last_finish
-        return self.rounds % self.fragments if elapsed >= self.schedule.seconds / self.fragments else None
+        if elapsed < self.schedule.seconds / self.fragments:
+            return None
+        return self.rounds % self.fragments
 
     def in_round_for(self) -> float:
         """Time-based rounds: seconds since the round not yet applied began (0: none)."""

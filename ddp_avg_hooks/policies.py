@@ -69,7 +69,8 @@ class OptimizerStateAveraging(RoundPolicy):
     checkpoint), so its buckets are rebuilt whenever the tensors change.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list, bucket_cap_mb: float) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list,
+                 bucket_cap_mb: float) -> None:
         self._optimizer, self._params, self._cap = optimizer, params, bucket_cap_mb
         self._ids: tuple = ()
         self._buckets: list[ParamBucket] = []

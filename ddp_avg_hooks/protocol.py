@@ -111,7 +111,8 @@ def _unwrap_partial(hook):
 
 
 def hook_spec(hook: Callable) -> HookSpec:
-    """The :class:`HookSpec` ``hook`` declares (through ``functools.partial``), else an empty one."""
+    """The :class:`HookSpec` ``hook`` declares (through ``functools.partial``), else an
+    empty one."""
     spec = getattr(hook, SPEC_ATTRIBUTE, None)
     if spec is None:
         spec = getattr(_unwrap_partial(hook), SPEC_ATTRIBUTE, None)

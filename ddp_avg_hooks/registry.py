@@ -19,7 +19,7 @@ from .planner import split_fragments
 from .policies import make_policies
 from .protocol import hook_spec
 from .rounds import RoundEngine
-from .schedules import EverySeconds, PeriodSchedule
+from .schedules import PeriodSchedule
 from .storage import DeviceStorage, HostStorage, ZeroCopyStorage
 
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
@@ -125,7 +125,8 @@ def register_averaging_hook(
             "wrap the model with DistributedDataParallel(model) first"
         )
     if not callable(hook):
-        raise TypeError(f"register_averaging_hook: hook must be callable, got {type(hook).__name__}")
+        raise TypeError("register_averaging_hook: hook must be callable, got "
+                        f"{type(hook).__name__}")
     opts = AveragingOptions.from_call(period=period, warmup_steps=warmup_steps,
                                       bucket_cap_mb=bucket_cap_mb, optimizer=optimizer, **options)
     spec = hook_spec(hook)
@@ -159,7 +160,7 @@ def register_averaging_hook(
     in_bucket_order = [p for b in buckets for p in b.parameters()]
     engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite,
                          fragments=fragments, mixing=opts.mixing, linear=spec.linear,
-                         weighted=isinstance(opts.schedule, EverySeconds) and opts.schedule.weighted,
+                         weighted=opts.weighted,
                          policies=make_policies(opts, ddp_model, in_bucket_order, ignored),
                          observers=make_observers(opts))
     handle = AveragingHandle(engine, opts,

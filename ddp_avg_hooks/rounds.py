@@ -194,7 +194,8 @@ class RoundEngine:
 
     @property
     def collective_reports(self) -> bool:
-        """Whether an observer's report talks to the other ranks (``verify``, ``track_consensus``)."""
+        """Whether an observer's report talks to the other ranks (``verify``,
+        ``track_consensus``)."""
         return any(o.collective for o in self.reporter.observers)
 
     def error(self, bucket: ParamBucket, where: str, what: str) -> AveragingHookError:

@@ -186,7 +186,8 @@ class AdaCommPeriod(PeriodSchedule):
                 self._first_loss = loss
             elif self._first_loss > 0 and loss >= 0:
                 ratio = math.sqrt(loss / self._first_loss)
-                self._current = max(self.min_period, min(self.initial, math.ceil(self.initial * ratio)))
+                period = math.ceil(self.initial * ratio)
+                self._current = max(self.min_period, min(self.initial, period))
         return self._current
 
     @property
@@ -270,9 +271,11 @@ class EverySeconds(PeriodSchedule):
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ValueError(f"EverySeconds: seconds must be > 0 and finite, got {seconds}")
         if weighting not in WEIGHTINGS:
-            raise ValueError(f"EverySeconds: weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+            raise ValueError(
+                f"EverySeconds: weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         if not callable(clock):
-            raise TypeError(f"EverySeconds: clock must be callable() -> seconds, got {type(clock).__name__}")
+            raise TypeError("EverySeconds: clock must be callable() -> seconds, got "
+                            f"{type(clock).__name__}")
         self.seconds, self.weighting, self.clock = float(seconds), weighting, clock
 
     @property

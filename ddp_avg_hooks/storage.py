@@ -185,7 +185,8 @@ class DeviceStorage:
 
     # --- accounting ----------------------------------------------------------------------
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(kind, tensor)`` for every tensor this storage holds (see :mod:`ddp_avg_hooks.memory`)."""
+        """``(kind, tensor)`` for every tensor this storage holds (see
+        :mod:`ddp_avg_hooks.memory`)."""
         if self._flat is not None:
             yield "bucket_buffers", self._flat
         if self.anchor is not None:

@@ -54,7 +54,8 @@ class RoundWeights:
         self.world, self.linear = world, linear
         self.totals: list[float | None] = [None] * fragments  # each fragment's last total
 
-    def start(self, mine: int, fragment: int, group, where: str) -> tuple[float, WeightExchange | None]:
+    def start(self, mine: int, fragment: int, group,
+              where: str) -> tuple[float, WeightExchange | None]:
         """This rank's ``delta_scale`` for a round of ``fragment``, and the exchange in
         flight when the scale is provisional (see the module)."""
         reference = self.totals[fragment]
@@ -89,6 +90,4 @@ class RoundWeights:
         return list(self.totals)
 
     def load_state_dict(self, totals) -> None:
-        if totals is None:  # a checkpoint from before the totals were kept
-            totals = [None] * len(self.totals)
         self.totals = [None if t is None else float(t) for t in totals]

@@ -62,7 +62,7 @@ class PerBucket(Generic[T]):
         self._pending: dict[int, object] = {}
 
     def get(self, bucket) -> T:
-        """The memory of ``bucket``: created (and a waiting checkpoint entry applied) on first use."""
+        """The memory of ``bucket``: made (and a waiting checkpoint entry applied) on first use."""
         index = bucket.index()
         memory = self._memory.get(index)
         if memory is None:

@@ -18,7 +18,8 @@ class Layout:
     __slots__ = ("matrices", "exact_runs", "p_numel", "q_numel", "exact_numel")
 
     def __init__(self, bucket: ParamBucket, rank: int, min_compression_rate: float) -> None:
-        self.matrices: list[tuple[int, int, int, int, int, int]] = []  # (off, n, m, r, p_off, q_off)
+        # (off, n, m, r, p_off, q_off) per compressed matrix
+        self.matrices: list[tuple[int, int, int, int, int, int]] = []
         self.exact_runs: list[tuple[int, int]] = []  # (off, length), merged when adjacent
         runs: list[list[int]] = []
         off = p_off = q_off = 0
@@ -57,7 +58,7 @@ class BucketMemory:
         self.layout = Layout(bucket, state.matrix_approximation_rank, state.min_compression_rate)
         dev = bucket.device
         self.p = torch.empty(self.layout.p_numel, dtype=dtype, device=dev)
-        self.q_init = state._draw_q(self.layout.q_numel, bucket.index(), None, dtype, dev)
+        self.q_init = state.draw_q(self.layout.q_numel, bucket.index(), None, dtype, dev)
         self.q = self.q_init.clone()
         self.q_local = torch.empty_like(self.q) if state.use_error_feedback else None
         ef = state.use_error_feedback

@@ -1,4 +1,5 @@
-"""Half-precision averaging of the parameter *change*: ``fp16_compress_hook``, ``bf16_compress_hook``.
+"""Half-precision averaging of the parameter *change*: ``fp16_compress_hook``,
+``bf16_compress_hook``.
 
 Rounding the parameters themselves to half precision is a trap: a parameter of
 magnitude 20 has an fp16 spacing of 2**-6 (0.016) and a bf16 spacing of 2**-3, so
@@ -66,7 +67,7 @@ _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class HalfDeltaState(DeltaState):
-    """Options and error-feedback memory for :func:`fp16_compress_hook` / :func:`bf16_compress_hook`.
+    """Options and error feedback of :func:`fp16_compress_hook` and :func:`bf16_compress_hook`.
 
     Args:
         process_group: group to average over; ``None`` means the default group.
@@ -189,7 +190,8 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
         >>> handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=2)
-        >>> [handle.step() for _ in range(3)], handle.stats.bytes_sent  # 10 params x 2 bytes x 2 rounds
+        >>> # 10 params x 2 bytes x 2 rounds
+        >>> [handle.step() for _ in range(3)], handle.stats.bytes_sent
         ([True, False, True], 40)
         >>> handle.remove(); dist.destroy_process_group()
     """

@@ -36,8 +36,9 @@ Design notes:
   bucket's round scratch space (``bucket.workspace()``), so it costs no memory.
 * Per-bucket structures are created eagerly by the hook's ``prepare_bucket`` (its
   :class:`~ddp_avg_hooks.HookSpec`; the registry calls it for every bucket at
-  registration, :meth:`OuterOptimizerState.prepare` does the same by hand) or, failing that, at the bucket's first round. A state dict
-  loaded before then is kept and applied when the bucket is prepared.
+  registration, :meth:`OuterOptimizerState.prepare` does the same by hand) or, failing
+  that, at the bucket's first round. A state dict loaded before then is kept and applied
+  when the bucket is prepared.
 * If a round fails after some buckets stepped (a later bucket raised, ``check_finite``),
   those buckets' optimizer state has advanced although no parameter changed, as with
   the error-feedback memory of the compressed hooks.
@@ -170,7 +171,8 @@ class OuterOptimizerState:
         self.outer(bucket)
 
     def outer(self, bucket: ParamBucket) -> _BucketOuter:
-        """``bucket``'s outer parameter and optimizer (``.param``, ``.optimizer``), made on first use."""
+        """``bucket``'s outer parameter and optimizer (``.param``, ``.optimizer``), made on
+        first use."""
         return self._buckets.get(bucket)
 
     def _create(self, bucket: ParamBucket) -> _BucketOuter:

@@ -91,10 +91,10 @@ class PowerSGDState:
         >>> from ddp_avg_hooks.hooks import PowerSGDState
         >>> PowerSGDState(matrix_approximation_rank=4).round
         0
-        >>> PowerSGDState(orthogonalization_epsilon=0)
+        >>> PowerSGDState(orthogonalization_epsilon=0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: PowerSGDState: orthogonalization_epsilon must be > 0 (an all-zero delta would divide 0 by 0); leave the default (1e-30) or pass e.g. 1e-8
+        ValueError: PowerSGDState: orthogonalization_epsilon must be > 0 (an all-zero delta ...
     """
 
     __slots__ = (
@@ -141,7 +141,8 @@ class PowerSGDState:
             )
         check_bool("use_error_feedback", use_error_feedback, owner=_OWNER)
         check_bool("warm_start", warm_start, owner=_OWNER)
-        if isinstance(orthogonalization_epsilon, bool) or not isinstance(orthogonalization_epsilon, Real):
+        epsilon = orthogonalization_epsilon
+        if isinstance(epsilon, bool) or not isinstance(epsilon, Real):
             raise TypeError(
                 "PowerSGDState: orthogonalization_epsilon must be a number, got "
                 f"{type(orthogonalization_epsilon).__name__}"
@@ -151,7 +152,8 @@ class PowerSGDState:
                 "PowerSGDState: orthogonalization_epsilon must be > 0 (an all-zero delta "
                 "would divide 0 by 0); leave the default (1e-30) or pass e.g. 1e-8"
             )
-        check_int("seed", seed, 0, owner=_OWNER, fix="pass the same non-negative seed on every rank")
+        check_int("seed", seed, 0, owner=_OWNER,
+                  fix="pass the same non-negative seed on every rank")
         self.process_group = process_group
         self.matrix_approximation_rank = matrix_approximation_rank
         self.start_powersgd_round = start_powersgd_round
@@ -166,9 +168,11 @@ class PowerSGDState:
             load=load_bucket, numel=lambda mem: mem.numel)
 
     # --- randomness ---------------------------------------------------------------------
-    def _draw_q(self, numel: int, bucket_index: int, round_: int | None, dtype, device) -> torch.Tensor:
+    def draw_q(self, numel: int, bucket_index: int, round_: int | None, dtype,
+                device) -> torch.Tensor:
         """Standard-normal ``Q`` factors of a bucket, the same on every rank."""
-        key = ((self.seed * 1_000_003 + bucket_index) * 1_000_003 + (0 if round_ is None else round_ + 1))
+        draw = 0 if round_ is None else round_ + 1
+        key = (self.seed * 1_000_003 + bucket_index) * 1_000_003 + draw
         gen = torch.Generator(device="cpu")
         gen.manual_seed(key % (2**63))
         return torch.randn(numel, generator=gen, dtype=dtype).to(device)
@@ -297,7 +301,8 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
 
     p_all, q_all = mem.p, mem.q
     if not state.warm_start:
-        q_all.copy_(state._draw_q(layout.q_numel, bucket.index(), round_, q_all.dtype, q_all.device))
+        q_all.copy_(state.draw_q(layout.q_numel, bucket.index(), round_, q_all.dtype,
+                                 q_all.device))
     views = []
     for off, n, m, r, p_off, q_off in layout.matrices:
         ci = c[off : off + n * m].view(n, m)
@@ -329,7 +334,8 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
         for off, n, m, ci, pt, qt, q_off in views:
             if mem.residual is not None:  # E = C - P (C^T P)^T: this rank's projection loss
                 qlt = mem.q_local[q_off : q_off + qt.numel()].view(qt.shape)
-                torch.addmm(ci, pt.t(), qlt, alpha=-1, out=mem.residual[off : off + n * m].view(n, m))
+                residual = mem.residual[off : off + n * m].view(n, m)
+                torch.addmm(ci, pt.t(), qlt, alpha=-1, out=residual)
             oi, ai = out[off : off + n * m].view(n, m), anchor[off : off + n * m].view(n, m)
             if oi.dtype == pt.dtype:  # may overwrite ci: it is not read again
                 torch.addmm(ai, pt.t(), qt, alpha=-1, out=oi)  # anchor - P Q^T

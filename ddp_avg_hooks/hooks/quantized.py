@@ -1,4 +1,5 @@
-"""Blockwise int8 / int4 averaging of the parameter *change*: ``int8_compress_hook``, ``int4_compress_hook``.
+"""Blockwise int8 / int4 averaging of the parameter *change*: ``int8_compress_hook``,
+``int4_compress_hook``.
 
 Like the half-precision hooks (:mod:`.compress`), these send the change since the last
 round, ``delta = anchor - params``, never the parameters, and compute the new parameters
@@ -100,7 +101,7 @@ def _zeros(bucket: ParamBucket) -> torch.Tensor:
 
 
 class QuantizedDeltaState(DeltaState):
-    """Options and error-feedback memory for :func:`int8_compress_hook` / :func:`int4_compress_hook`.
+    """Options and error feedback of :func:`int8_compress_hook` and :func:`int4_compress_hook`.
 
     Args:
         block_size: values per float32 scale (an even int >= 2). Smaller blocks follow
@@ -116,10 +117,10 @@ class QuantizedDeltaState(DeltaState):
         >>> from ddp_avg_hooks.hooks import QuantizedDeltaState
         >>> QuantizedDeltaState(block_size=64).state_dict()
         {'block_size': 64, 'error_feedback': True, 'residuals': {}}
-        >>> QuantizedDeltaState(block_size=63)
+        >>> QuantizedDeltaState(block_size=63)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: QuantizedDeltaState: block_size must be even (int4 packs two codes per byte, never across blocks), got 63; try 64 or 128
+        ValueError: QuantizedDeltaState: block_size must be even ... got 63; try 64 or 128
     """
 
     __slots__ = ("block_size",)
@@ -234,7 +235,8 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     return result
 
 
-@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8], prepare_bucket=_FAMILY.prepare_bucket,
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8],
+                prepare_bucket=_FAMILY.prepare_bucket,
                 linear=True)
 def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int8.
@@ -266,7 +268,8 @@ def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     return _quantized_delta_hook(state, bucket, 8)
 
 
-@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4], prepare_bucket=_FAMILY.prepare_bucket,
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4],
+                prepare_bucket=_FAMILY.prepare_bucket,
                 linear=True)
 def int4_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int4.

@@ -17,7 +17,8 @@ from .. import hooks
 from ..registry import register_averaging_hook
 from ._common import GradSync, detach, find_ddp
 
-_UNSUPPORTED = {getattr(DistributedType, name) for name in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TPU")
+_UNSUPPORTED = {getattr(DistributedType, name)
+                for name in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TPU")
                 if hasattr(DistributedType, name)}
 
 

@@ -1,0 +1,62 @@
+"""Period schedules: the distance each decides after a round, their checks and state."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ddp_avg_hooks.schedules import (AdaCommPeriod, ConstantPeriod, EverySeconds,
+                                     PostLocalPeriod, StepwisePeriod, as_schedule)
+
+
+def test_step_schedules():
+    assert [ConstantPeriod(4).next_period(s) for s in (0, 99)] == [4, 4]
+    post = PostLocalPeriod(period=2, switch_step=6, period_after=8)
+    assert [post.next_period(s) for s in (0, 5, 6, 30)] == [2, 2, 8, 8] and post.current == 8
+    step = StepwisePeriod(2, {10: 4, 20: 8})
+    assert [step.next_period(s) for s in (0, 9, 10, 19, 20, 99)] == [2, 2, 4, 4, 8, 8]
+    assert as_schedule(3).current == 3 and as_schedule(post) is post
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: ConstantPeriod(0), ValueError, "period must be >= 1"),
+    (lambda: ConstantPeriod(True), TypeError, "period must be an int"),
+    (lambda: StepwisePeriod(2, [(10, 4)]), TypeError, "milestones must map step -> period"),
+    (lambda: AdaCommPeriod(4, min_period=8), ValueError, r"min_period \(8\) must be <= initial"),
+    (lambda: EverySeconds(0), ValueError, "seconds must be > 0 and finite"),
+    (lambda: EverySeconds(float("inf")), ValueError, "seconds must be > 0 and finite"),
+    (lambda: EverySeconds(1, weighting="samples"), ValueError, "weighting must be one of"),
+    (lambda: EverySeconds(1, clock=3), TypeError, "clock must be callable"),
+])
+def test_bad_schedules_say_what_is_wrong(make, error, message):
+    with pytest.raises(error, match=message):
+        make()
+
+
+def test_adacomm_shrinks_the_period_as_the_loss_falls(world1):
+    import torch.distributed as dist
+
+    s = AdaCommPeriod(initial=16, min_period=2)
+    s.bind(dist.group.WORLD)
+    for loss in (4.0, 4.0):
+        s.observe(loss)
+    assert s.next_period(0) == 16  # the first mean loss is the reference
+    s.observe(1.0)
+    assert s.next_period(16) == 8  # ceil(16 * sqrt(1 / 4))
+    s.observe(0.0001)
+    assert s.next_period(24) == 2  # clamped to min_period
+    again = AdaCommPeriod(initial=16, min_period=2)
+    again.load_state_dict(s.state_dict())
+    assert again.current == 2 and again.state_dict() == s.state_dict()
+
+
+def test_every_seconds_reads_its_clock():
+    ticks = iter([5.0, 6.5])
+    s = EverySeconds(2.5, weighting="equal", clock=lambda: next(ticks))
+    assert s.clock() == 5.0 and s.clock() == 6.5
+    assert not s.weighted and s.current is None
+    assert repr(s) == "EverySeconds(2.5, weighting='equal')"
+    assert EverySeconds(1.0).clock is time.monotonic
+    with pytest.raises(TypeError, match="by time, not by a step count"):
+        s.next_period(0)
