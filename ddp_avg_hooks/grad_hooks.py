@@ -1,4 +1,4 @@
-"""Gradient comm hooks for ``ddp.register_comm_hook`` that go with averaging.
+"""Gradient hooks that go with averaging: a comm hook for DDP, all-reduce hooks for FSDP2.
 
 They read the :class:`~ddp_avg_hooks.AveragingHandle`'s step counter, so the warm-up
 of gradient averaging and the averaging schedule can never drift apart.
@@ -7,6 +7,8 @@ of gradient averaging and the averaging schedule can never drift apart.
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .models import fsdp_modules
 
 
 # No `from __future__ import annotations`: DDP compares the annotations themselves.
@@ -50,3 +52,60 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+class FSDPGradHooks:
+    """What :func:`register_fsdp_grad_hooks` returns: ``remove()`` stops the averaging
+    across replicas (the hooks then leave every gradient shard as it is)."""
+
+    def __init__(self, handle, modules: list) -> None:
+        self.handle, self.modules, self.active = handle, modules, True
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if not (self.active and self.handle.in_warmup):
+            return
+        group = self.handle.process_group
+        reduce_output.div_(dist.get_world_size(group))
+        dist.all_reduce(reduce_output, group=group)
+
+    def remove(self) -> None:
+        """Keep gradients inside the replica group from now on, also during a warm-up."""
+        self.active = False
+
+
+def register_fsdp_grad_hooks(model: torch.nn.Module, handle) -> FSDPGradHooks:
+    """The FSDP2 counterpart of :func:`local_sgd_grad_hook`: gradient averaging across
+    replicas during the handle's warm-up only.
+
+    On every FSDP2 module inside ``model`` (``fully_shard`` on a 1-D mesh per replica
+    group), this installs an all-reduce hook (``FSDPModule.set_all_reduce_hook``): each
+    reduce-scattered gradient shard, already averaged inside the replica group, is
+    averaged over the handle's process group, the replicate group, while
+    ``handle.in_warmup`` (divide, then sum, as DDP does): every replica then takes the
+    same step, as native HSDP does. After the warm-up nothing crosses replicas per step;
+    the reduce-scatter inside the replica group is untouched. It reads the handle's
+    counter: there is one step counter, never two to keep equal.
+
+    Args:
+        model: the FSDP2 root registered with ``register_averaging_hook``.
+        handle: the :class:`~ddp_avg_hooks.AveragingHandle` of that registration.
+
+    Returns:
+        An :class:`FSDPGradHooks` (``remove()`` turns the averaging off).
+    """
+    if not all(hasattr(handle, a) for a in ("in_warmup", "process_group")):
+        raise TypeError(
+            "register_fsdp_grad_hooks: handle must be the AveragingHandle returned by "
+            f"register_averaging_hook, got {type(handle).__name__}"
+        )
+    modules = fsdp_modules(model)
+    if not modules:
+        raise TypeError(
+            "register_fsdp_grad_hooks: model holds no FSDP2 module (fully_shard); for a "
+            "DistributedDataParallel model use ddp.register_comm_hook(handle, "
+            "grad_hooks.local_sgd_grad_hook)"
+        )
+    hooks = FSDPGradHooks(handle, modules)
+    for module in modules:
+        module.set_all_reduce_hook(hooks)
+    return hooks

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from . import memory
 from .bucket import ParamBucket
+from .models import AveragedModel
 from .options import AveragingOptions
 from .planner import RoundPlanner
 from .rounds import AveragingStats, Round, RoundEngine
@@ -28,6 +29,15 @@ _KEYS = ("step_count", "next_round", "plan", "weight_totals", "config", "schedul
 
 def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str = "here") -> str:
     """One sentence naming where two configs (see :meth:`AveragingHandle.config`) differ."""
+    if key == "shards":
+        if len(theirs) != len(mine):
+            return (f"the ranks hold different parameters' shards: {len(theirs)} non-empty "
+                    f"local shards {theirs_at}, {len(mine)} {mine_at}")
+        a, b = next((a, b) for a, b in zip(theirs, mine) if a != b)
+        return (f"parameter {b[0]!r} is sharded differently: {a[1:]} {theirs_at}, {b[1:]} "
+                f"{mine_at} (global shape, placements, shard mesh size, shard index): ranks "
+                "that average together must hold the same shards; pass the replicate group "
+                "(mesh['replicate'].get_group()) as the hook's state")
     if key == "layout":
         if len(theirs) != len(mine):
             return (f"the bucket layout differs: {len(theirs)} buckets {theirs_at}, "
@@ -81,7 +91,7 @@ class AveragingHandle:
     """
 
     def __init__(self, engine: RoundEngine, options: AveragingOptions, *,
-                 grad_process_group=None) -> None:
+                 model: AveragedModel | None = None) -> None:
         self._engine = engine
         self.state = engine.state
         self._options = options
@@ -90,19 +100,31 @@ class AveragingHandle:
                                   fragments=len(engine.fragments))
         #: the group the rounds average over
         self.process_group = engine.exact_group
+        self._model = model
         #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
-        self.grad_process_group = grad_process_group or dist.group.WORLD
+        self.grad_process_group = (model and model.grad_process_group) or dist.group.WORLD
         self._optimizer_hook = None
         self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
         self._removed = False
         self._schedule.bind(self.process_group)
+        # time-based rounds of a sharded model: the ranks of a replica group step together,
+        # so they decide together whether a round is due (one flag, inside the group)
+        self._replica_group = None
+        if model is not None and model.sharded and self._plan.timed \
+                and dist.get_world_size(model.replica_group) > 1:
+            self._replica_group = model.replica_group
 
     # --- schedule ---------------------------------------------------------------------
     @property
     def options(self) -> AveragingOptions:
         """The registration's settings (read-only use)."""
         return self._options
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is an FSDP2 one: each rank averages its local shards."""
+        return self._model is not None and self._model.sharded
 
     @property
     def stats(self) -> AveragingStats:
@@ -174,6 +196,8 @@ class AveragingHandle:
                 if rnd.done() or overdue:
                     self._finish(rnd)
         fragment = self._plan.due(self._step_count)
+        if self._replica_group is not None:
+            fragment = self._due_in_replica(fragment)
         averaging = fragment is not None
         for rnd in list(self._in_flight):
             if rnd.done() or (averaging and self.must_finish_before(rnd, fragment)):
@@ -189,6 +213,15 @@ class AveragingHandle:
                 bucket.reset_anchor()
         self._step_count += 1
         return averaging
+
+    def _due_in_replica(self, fragment: int | None) -> int | None:
+        """A time-based round is due on every rank of this replica group once it is due on
+        one of them (their clocks differ; their steps may not)."""
+        flag = torch.tensor([0 if fragment is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._replica_group)
+        if fragment is None and flag.item():
+            return self._plan.rounds % self._plan.fragments
+        return fragment
 
     def average(self) -> None:
         """Average now, outside the schedule (collective; the counter does not move)."""
@@ -263,6 +296,7 @@ class AveragingHandle:
             "warmup_steps": self._options.warmup_steps,
             "overlap": self._options.overlap,
             "fragments": len(self._engine.fragments),
+            **({"shards": self._model.shards()} if self.sharded else {}),
             "layout": [b.layout() for b in self._engine.buckets],
         }
 

@@ -35,11 +35,14 @@ import torch
 from .schedules import EverySeconds, PeriodSchedule
 
 
-def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+def split_fragments(params: list[torch.Tensor], fragments: int, *,
+                    allow_empty: bool = False) -> list[list[torch.Tensor]]:
     """``params`` in order, cut into ``fragments`` parts of near-equal element count.
 
     A parameter is never split; each cut sits where the running count comes closest to
-    an equal share. Raises ``ValueError`` when there are fewer parameters than fragments.
+    an equal share. Raises ``ValueError`` when there are fewer parameters than fragments,
+    unless ``allow_empty`` (a rank's local shards of an FSDP2 model: the last fragments
+    are then empty, on this rank and on the ranks it averages with).
 
     Example:
         >>> import torch
@@ -47,6 +50,8 @@ def split_fragments(params: list[torch.Tensor], fragments: int) -> list[list[tor
         >>> [[p.numel() for p in f] for f in split_fragments([torch.zeros(n) for n in sizes], 2)]
         [[4, 4, 1], [7, 8]]
     """
+    if fragments > len(params) and allow_empty:
+        return [[p] for p in params] + [[] for _ in range(fragments - len(params))]
     if fragments > len(params):
         raise ValueError(
             f"fragments={fragments} but the model has only {len(params)} parameters to "

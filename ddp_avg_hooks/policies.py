@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from .bucket import ParamBucket, assign_buckets
+from .models import local_tensor
 
 
 class RoundPolicy:
@@ -52,13 +53,16 @@ class BufferAveraging(RoundPolicy):
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params) -> tuple:
-    """Floating-point state tensors shaped like their parameter (momentum, moments)."""
+    """Floating-point state tensors shaped like their parameter (momentum, moments); of
+    a sharded (DTensor) parameter, the local shard of its state."""
     tensors = []
     for p in params:
         for key, value in sorted(optimizer.state.get(p, {}).items()):
             if (isinstance(value, torch.Tensor) and value.is_floating_point()
                     and value.shape == p.shape and key != "step"):
-                tensors.append(value)
+                value = local_tensor(value)
+                if value.numel():
+                    tensors.append(value)
     return tuple(tensors)
 
 
@@ -98,20 +102,20 @@ class OptimizerStateReset(RoundPolicy):
             torch._foreach_zero_(list(tensors))
 
 
-def make_policies(options, ddp_model, params: list, ignored) -> list[RoundPolicy]:
-    """The policies ``options`` asks for (an :class:`~ddp_avg_hooks.options.AveragingOptions`)."""
+def make_policies(options, model, params: list) -> list[RoundPolicy]:
+    """The policies ``options`` (an :class:`~ddp_avg_hooks.options.AveragingOptions`) asks
+    for, over ``model`` (a :class:`~ddp_avg_hooks.models.AveragedModel`) whose averaged
+    parameters, in bucket order, are ``params`` (the optimizer's state keys)."""
     policies: list[RoundPolicy] = []
     if options.average_buffers:
-        if getattr(ddp_model, "broadcast_buffers", False):
+        if model.broadcast_buffers:
             warnings.warn(
                 "average_buffers=True with DistributedDataParallel(broadcast_buffers=True): "
                 "DDP already overwrites every rank's buffers with rank 0's at each forward, "
                 "so averaging them is wasted; construct DDP with broadcast_buffers=False",
                 stacklevel=3,
             )
-        buffers = [b for name, b in ddp_model.module.named_buffers()
-                   if b.is_floating_point() and name not in ignored]
-        policies.append(BufferAveraging(buffers, options.bucket_cap_mb))
+        policies.append(BufferAveraging(model.buffers(), options.bucket_cap_mb))
     if options.optimizer_state == "average":
         policies.append(OptimizerStateAveraging(options.optimizer, params, options.bucket_cap_mb))
     elif options.optimizer_state == "reset":

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._groups import group_of_state, is_member, or_world
 from .bucket import assign_buckets
+from .models import averaged_model
 from .errors import AveragingHookError
 from .handle import AveragingHandle, AveragingStats, difference
 from .observers import make_observers
@@ -23,21 +24,6 @@ from .schedules import PeriodSchedule
 from .storage import DeviceStorage, HostStorage, ZeroCopyStorage
 
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
-
-
-def _unwrap_compiled(model):
-    """The DDP inside ``torch.compile(ddp)``; a compiled non-DDP model is a ``TypeError``."""
-    inner = getattr(model, "_orig_mod", None)
-    if inner is None or not isinstance(model, torch.nn.Module):
-        return model
-    if isinstance(inner, DistributedDataParallel):
-        return inner
-    raise TypeError(
-        "register_averaging_hook: ddp_model is torch.compile of a "
-        f"{type(inner).__name__}, not of a DistributedDataParallel; pass "
-        "torch.compile(DistributedDataParallel(model)) or "
-        "DistributedDataParallel(torch.compile(model))"
-    )
 
 
 def _agree_across_ranks(handle: AveragingHandle, group) -> None:
@@ -87,7 +73,10 @@ def register_averaging_hook(
 
     Args:
         ddp_model: the ``DistributedDataParallel`` model whose trainable parameters
-            (and not those DDP ignores) are averaged, or ``torch.compile`` of one.
+            (and not those DDP ignores) are averaged, or ``torch.compile`` of one; or an
+            FSDP2 module (the root ``fully_shard`` returned, on a 1-D mesh per replica
+            group), whose local shards are averaged over the hook state's group, the
+            replicate group (see :mod:`ddp_avg_hooks.models`).
         hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``hooks.allreduce_hook``.
         state: passed to every hook call (``None`` or a process group for the built-ins).
         period: average every ``period`` steps after the warm-up (``>= 1``), or a
@@ -117,13 +106,7 @@ def register_averaging_hook(
         (7, 2)
         >>> handle.remove(); dist.destroy_process_group()
     """
-    ddp_model = _unwrap_compiled(ddp_model)
-    if not isinstance(ddp_model, DistributedDataParallel):
-        raise TypeError(
-            "register_averaging_hook: ddp_model must be a "
-            f"torch.nn.parallel.DistributedDataParallel, got {type(ddp_model).__name__}; "
-            "wrap the model with DistributedDataParallel(model) first"
-        )
+    model = averaged_model(ddp_model)
     if not callable(hook):
         raise TypeError("register_averaging_hook: hook must be callable, got "
                         f"{type(hook).__name__}")
@@ -132,24 +115,14 @@ def register_averaging_hook(
     spec = hook_spec(hook)
     spec.validate(state)
 
-    ignored = getattr(ddp_model, "parameters_to_ignore", set()) or set()
-    params = [
-        p
-        for name, p in ddp_model.module.named_parameters()
-        if p.requires_grad and name not in ignored
-    ]
-    if not params:
-        raise ValueError(
-            "register_averaging_hook: the model has no trainable parameters to average "
-            "(all have requires_grad=False or are ignored by DDP)"
-        )
+    params = model.params
     if opts.zero_copy:
         storage = functools.partial(ZeroCopyStorage, in_place=not opts.check_finite)
     else:
         storage = HostStorage if opts.offload_state else DeviceStorage
     keep_anchor = opts.wants_anchor(spec.needs_anchor)
     fragments, buckets = [], []
-    parts = split_fragments(params, opts.fragments)
+    parts = split_fragments(params, opts.fragments, allow_empty=model.sharded)
     for i, part in enumerate(parts):
         fragments.append(assign_buckets(part, bucket_cap_mb, first_index=len(buckets),
                                         ends=i == len(parts) - 1, keep_anchor=keep_anchor,
@@ -157,14 +130,14 @@ def register_averaging_hook(
         buckets += fragments[-1]
     group = or_world(opts.process_group if opts.process_group is not None
                      else group_of_state(state))
-    in_bucket_order = [p for b in buckets for p in b.parameters()]
+    key_of = {id(t): k for t, k in zip(model.params, model.keys)}
+    in_bucket_order = [key_of[id(p)] for b in buckets for p in b.parameters()]
     engine = RoundEngine(hook, state, buckets, exact_group=group, check_finite=opts.check_finite,
                          fragments=fragments, mixing=opts.mixing, linear=spec.linear,
                          weighted=opts.weighted,
-                         policies=make_policies(opts, ddp_model, in_bucket_order, ignored),
+                         policies=make_policies(opts, model, in_bucket_order),
                          observers=make_observers(opts))
-    handle = AveragingHandle(engine, opts,
-                             grad_process_group=getattr(ddp_model, "process_group", None))
+    handle = AveragingHandle(engine, opts, model=model)
     _agree_across_ranks(handle, group)
     for bucket in buckets:
         spec.prepare(state, bucket)
