@@ -2,19 +2,31 @@
 
 :class:`RoundCheckpointer` saves, right after every ``every_rounds``-th round, what each
 rank needs to resume exactly, and on start loads the newest round that *every* rank
-completed (ranks agree on which through one ``all_gather_object``). Each file is written
-to a temporary name, flushed to disk and renamed, and a round counts as completed by a
-rank only once its marker file exists, so a crash during a save never leaves a torn
-checkpoint that loads. The last ``keep`` rounds that all ranks completed are kept.
+completed and can verify.
 
-Saves survive being killed anywhere (``SIGKILL``, a node lost), then re-done by restarted
-processes: a save first removes this rank's marker of that round, so a marker always
-belongs to the files beside it; and each marker names the *session* that wrote it (a
-token the ranks agree on at :meth:`~RoundCheckpointer.restore` or at the first save), so
-a round counts as completed only if every rank's marker names the same session. Ranks'
-files from two different attempts at one round (one rank finished it before a crash,
-the others only after the restart) are therefore never combined, even when a run is not
-bit-reproducible.
+What it guarantees:
+
+* **No torn checkpoint is used.** Each file is written to a temporary name, flushed to
+  disk and renamed; a round counts as completed by a rank only once its marker exists,
+  and the marker is written last. Each marker names the *session* that wrote it (a token
+  the ranks agree on), so a round counts only if every rank's marker names the same
+  session: files of two attempts at one round are never combined.
+* **Nothing damaged or foreign is loaded.** A marker records the SHA-256 of each file
+  beside it; before anything is loaded every rank verifies its files, and the ranks
+  agree on the newest round all of them verified. A damaged round is skipped with a
+  warning naming the file, and the next older one is used. Files are read with
+  ``torch.load(weights_only=True)``: tensors and plain containers only, so a file
+  replaced by a pickle that runs code is refused, not run. What it writes is plain
+  tensors and containers (a sharded model's DTensors are saved as local shards).
+* **Nothing is lost.** A checkpoint saved by another number of processes is refused,
+  naming both sizes (a rank's files hold its own error feedback and local progress:
+  they cannot be merged or split exactly). One of another model is refused naming the
+  checkpoint and the first parameter that differs, before anything is loaded. A folder
+  that holds completed rounds but cannot be resumed makes :meth:`restore` raise
+  :class:`~ddp_avg_hooks.errors.CheckpointError` rather than start over and overwrite
+  it; saving into such a folder without :meth:`restore` is refused the same way. A save
+  prunes old rounds only once its own files are on disk and verified, and keeps the
+  ``keep`` newest rounds every rank completed.
 
 What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
 
@@ -25,8 +37,10 @@ What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
 * ``model.pt``, written by rank 0 only, after a blocking round: right after one, every
   rank holds bit-identical parameters, so one copy is enough (on restore rank 0 reads it
   and broadcasts it, so the ranks need no shared file system). After an overlapped round
-  (``overlap=True``) replicas differ, and each rank writes ``model_rank{r}.pt``.
-* ``rank{r}.done``: the marker, written last (atomically; it holds the session token).
+  (``overlap=True``) replicas differ, and with an FSDP2 model every rank holds its own
+  shards: then each rank writes ``model_rank{r}.pt``.
+* ``rank{r}.done``: the marker, written last (atomically): session, world size and the
+  checksums of the rank's files.
 
 Plain files and ``torch.save`` are used rather than ``torch.distributed.checkpoint``: DCP
 saves one copy of a tensor that every rank names the same, which loses the per-rank
@@ -56,27 +70,47 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
+import pickle
 import random
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ._checks import check_int
+from .errors import CheckpointError
+from .models import DTensor, local_tensor
 from .optim import AveragingOptimizer
+from .trees import map_tensors
+
+__all__ = ["RoundCheckpointer"]
 
 _PREFIX = "round-"
+_FORMAT = 1
 
 
-def _atomic_save(obj, path: Path) -> None:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _atomic_save(obj, path: Path) -> str:
+    """Write ``obj`` to ``path`` atomically; the SHA-256 of what is on disk."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    return _sha256(path)
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
@@ -102,18 +136,57 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _plain(tree):
+    """``tree`` with every DTensor replaced by its local shard: what ``weights_only`` loads."""
+    return map_tensors(local_tensor, tree)
+
+
+def _load_optimizer(optimizer, saved: dict) -> None:
+    """``optimizer.load_state_dict(saved)``, with the local shards of a sharded parameter's
+    state turned back into DTensors placed like the parameter."""
+    if DTensor is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        for pid, p in zip(ids, params):
+            if not isinstance(p, DTensor) or pid not in saved["state"]:
+                continue
+            local_shape = local_tensor(p).shape
+            saved["state"][pid] = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                      stride=p.stride(), run_check=False)
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape == local_shape else v
+                for k, v in saved["state"][pid].items()}
+    optimizer.load_state_dict(saved)
+
+
+def _read_marker(path: Path) -> dict | None:
+    """A marker's contents; ``None`` when there is none, ``{"session": text}`` for one
+    this format did not write (it is then never a usable round)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        marker = json.loads(text)
+    except ValueError:
+        return {"session": text}
+    return marker if isinstance(marker, dict) and "session" in marker else {"session": text}
+
+
 class RoundCheckpointer:
     """Save every ``every_rounds``-th round of ``handle``; resume the newest all ranks completed.
 
     Args:
         directory: where the rounds' folders go (shared by the ranks or not: each rank
-            reads only its own files).
+            reads only its own files). It belongs to one run: see the module.
         handle: the :class:`~ddp_avg_hooks.AveragingHandle`.
-        model: the module whose ``state_dict()`` is saved (``ddp.module``).
+        model: the module whose ``state_dict()`` is saved (``ddp.module``, or the FSDP2 root).
         optimizer: the local optimizer (or an ``AveragingOptimizer``).
         scheduler: an LR scheduler, or ``None``.
         every_rounds: save after every N-th round (``>= 1``).
-        keep: how many completed rounds to keep (``>= 1``).
+        keep: how many completed rounds to keep (``>= 1``; the default 2 leaves an older
+            round to fall back to if the newest is damaged).
+        process_group: the ranks that save together (default: all).
 
     Call :meth:`restore` once before training (collective) and :meth:`maybe_save` after
     every optimizer step (collective when it saves; every rank saves the same rounds).
@@ -130,7 +203,27 @@ class RoundCheckpointer:
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self._saved_at = handle.rounds_started
         self._session: str | None = None  # agreed by the ranks at restore() or the first save
+        self._checked_folder = False  # restore() ran, or the first save checked the folder
 
+    # --- collectives --------------------------------------------------------------------
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def _gather(self, obj) -> list:
+        if self._world() == 1:
+            return [obj]
+        gathered: list = [None] * self._world()
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def _all_ok(self, problem: str | None, what: str) -> None:
+        """Raise :class:`CheckpointError` on every rank if any rank has a ``problem``."""
+        problems = [(r, p) for r, p in enumerate(self._gather(problem)) if p]
+        if problems:
+            raise CheckpointError(f"RoundCheckpointer({str(self.directory)!r}): {what}: "
+                                  + "; ".join(f"rank {r}: {p}" for r, p in problems))
+
+    # --- saving -----------------------------------------------------------------------
     def _local_optimizer(self):
         """The optimizer whose state is saved beside the handle's: an
         ``AveragingOptimizer`` of this handle carries the handle's state in its own
@@ -139,7 +232,11 @@ class RoundCheckpointer:
             return self.optimizer.optimizer
         return self.optimizer
 
-    # --- saving -----------------------------------------------------------------------
+    def _own_model(self) -> bool:
+        """Whether every rank saves its own model: replicas differ (overlapped rounds) or
+        hold different shards (FSDP2)."""
+        return self.handle.options.overlap or self.handle.sharded
+
     def maybe_save(self) -> bool:
         """Save if a round ran since the last call and it is an ``every_rounds``-th one.
 
@@ -158,6 +255,8 @@ class RoundCheckpointer:
 
     def save(self) -> Path:
         """Save this rank's state as round ``handle.stats.rounds`` (collective: prunes after)."""
+        if not self._checked_folder:
+            self._refuse_a_folder_of_another_run()
         self.handle.synchronize()
         rounds = self.handle.stats.rounds
         folder = self.directory / f"{_PREFIX}{rounds:08d}"
@@ -165,39 +264,50 @@ class RoundCheckpointer:
         session = self._agreed_session()
         # a marker left by an earlier attempt at this round must not vouch for the new files
         (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
-        own_model = self.handle.options.overlap
-        if own_model:
-            _atomic_save(self.model.state_dict(), folder / f"model_rank{self.rank}.pt")
-        elif self.rank == 0:
-            _atomic_save(self.model.state_dict(), folder / "model.pt")
+        own_model = self._own_model()
+        files = {}
+        if own_model or self.rank == 0:
+            name = f"model_rank{self.rank}.pt" if own_model else "model.pt"
+            files[name] = _atomic_save(_plain(self.model.state_dict()), folder / name)
         state = {
-            "optimizer": self._local_optimizer().state_dict(),
+            "format": _FORMAT,
+            "optimizer": _plain(self._local_optimizer().state_dict()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "averaging": self.handle.state_dict(),
             "rng": _rng_state(),
             "own_model": own_model,
         }
-        _atomic_save(state, folder / f"rank{self.rank}.pt")
+        files[f"rank{self.rank}.pt"] = _atomic_save(state, folder / f"rank{self.rank}.pt")
+        self._files = files
         self._mark_completed(folder, session)
         self._prune()
         return folder
 
     def _mark_completed(self, folder: Path, session: str) -> None:
-        """Write this rank's marker: its files in ``folder`` are complete.
+        """Write this rank's marker: its files in ``folder`` are complete (and their checksums).
 
         The last step of a save (fault-injection tests override it to stop just before).
         """
-        _atomic_write_text(session, folder / f"rank{self.rank}.done")
+        marker = {"format": _FORMAT, "session": session, "world_size": self._world(),
+                  "rank": self.rank, "files": self._files}
+        _atomic_write_text(json.dumps(marker, sort_keys=True), folder / f"rank{self.rank}.done")
 
     def _agreed_session(self) -> str:
         """The token this process's markers carry: rank 0's, the same on every rank."""
         if self._session is None:
-            token = [uuid.uuid4().hex]
-            if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-                dist.broadcast_object_list(token, src=src, group=self.group)
-            self._session = token[0]
+            self._session = self._gather(uuid.uuid4().hex)[0]
         return self._session
+
+    def _refuse_a_folder_of_another_run(self) -> None:
+        """Before the first save without :meth:`restore`: a folder holding rounds that
+        every rank completed belongs to another run; saving into it could prune them."""
+        self._checked_folder = True
+        common = self._common_rounds()
+        if common:
+            raise CheckpointError(
+                f"RoundCheckpointer({str(self.directory)!r}): the folder holds round "
+                f"{common[-1]} of another run; call restore() first to resume it, or save "
+                "into an empty folder (nothing was written)")
 
     def _prune(self) -> None:
         """Remove this rank's files of rounds older than the newest common one, but the
@@ -223,70 +333,160 @@ class RoundCheckpointer:
                 except OSError:
                     pass
 
-    @torch.no_grad()
-    def _load_model(self, folder: Path, *, own: bool) -> None:
-        """In place (DDP and the buckets keep their tensors); rank 0's copy is broadcast."""
-        current = self.model.state_dict()
-        if own:
-            saved = torch.load(folder / f"model_rank{self.rank}.pt", weights_only=False)
-        elif self.rank == 0:
-            saved = torch.load(folder / "model.pt", weights_only=False)
-        else:
-            saved = current  # filled by the broadcast below
-        for name, tensor in current.items():
-            if saved is not current:
-                tensor.copy_(saved[name])
-            if not own and dist.is_initialized() and dist.get_world_size(self.group) > 1:
-                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-                dist.broadcast(tensor, src=src, group=self.group)
-
     # --- restoring --------------------------------------------------------------------
     def completed_rounds(self) -> list[int]:
         """The rounds this rank completed a save of, oldest first."""
         return sorted(self._markers())
 
-    def _markers(self) -> dict[int, str]:
-        """Round -> session token of this rank's marker, for the rounds it completed."""
+    def _markers(self) -> dict[int, dict]:
+        """Round -> this rank's marker, for the rounds it completed."""
         if not self.directory.is_dir():
             return {}
         out = {}
         for folder in self.directory.glob(f"{_PREFIX}*"):
             try:
-                marker = folder / f"rank{self.rank}.done"
-                out[int(folder.name[len(_PREFIX):])] = marker.read_text()
-            except (OSError, ValueError):  # no marker (not completed), or not a round folder
-                pass
+                rounds = int(folder.name[len(_PREFIX):])
+            except ValueError:  # not a round folder
+                continue
+            marker = _read_marker(folder / f"rank{self.rank}.done")
+            if marker is not None:
+                out[rounds] = marker
         return out
 
-    def _common_rounds(self, propose_session: bool = False) -> list[int]:
-        """Rounds every rank completed in one session (collective unless world size 1).
+    def _common_rounds(self, gathered: list | None = None) -> list[int]:
+        """Rounds every rank completed in one session (collective unless world size 1)."""
+        if gathered is None:
+            gathered = self._gather({r: m["session"] for r, m in self._markers().items()})
+        first = gathered[0]
+        return sorted(r for r, token in first.items() if all(g.get(r) == token for g in gathered))
 
-        ``propose_session``: also agree on this process's session token (rank 0's proposal).
-        """
-        mine = (self._markers(), uuid.uuid4().hex if propose_session else None)
-        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
-            gathered = [mine]
-        else:
-            gathered = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(gathered, mine, group=self.group)
-        if propose_session:
-            self._session = gathered[0][1]
-        first = gathered[0][0]
-        return sorted(r for r, token in first.items()
-                      if all(g[0].get(r) == token for g in gathered[1:]))
+    def _verify(self, rounds: int, marker: dict) -> str | None:
+        """``None`` when every file this rank's marker of ``rounds`` lists is intact,
+        else what is wrong (naming the file)."""
+        folder = self.directory / f"{_PREFIX}{rounds:08d}"
+        files = marker.get("files")
+        if not isinstance(files, dict) or f"rank{self.rank}.pt" not in files:
+            return f"{folder / f'rank{self.rank}.done'} records no checksums"
+        for name, digest in sorted(files.items()):
+            path = folder / name
+            try:
+                if _sha256(path) != digest:
+                    return f"{path} is damaged (its checksum differs from the marker's)"
+            except OSError as exc:
+                return f"{path} cannot be read ({exc})"
+        return None
 
     def restore(self) -> int | None:
-        """Load the newest round every rank completed (collective); its number, or ``None``."""
-        common = self._common_rounds(propose_session=True)
-        if not common:
-            return None
-        folder = self.directory / f"{_PREFIX}{common[-1]:08d}"
-        state = torch.load(folder / f"rank{self.rank}.pt", weights_only=False)
-        self._load_model(folder, own=state["own_model"])
+        """Load the newest round every rank completed and verified (collective).
+
+        Returns its number, or ``None`` when no round was completed by every rank (a
+        fresh start). Raises :class:`~ddp_avg_hooks.errors.CheckpointError` on every
+        rank, loading nothing, when the folder cannot be resumed (see the module).
+        """
+        self._checked_folder = True
+        markers = self._markers()
+        gathered = self._gather({r: (m["session"], m.get("world_size"))
+                                 for r, m in markers.items()})
+        world = self._world()
+        sizes = sorted({w for g in gathered for _, w in g.values() if w not in (None, world)})
+        if sizes:
+            raise CheckpointError(
+                f"RoundCheckpointer({str(self.directory)!r}): the checkpoint was saved by "
+                f"{sizes[0]} processes and this run has {world}; every rank's files hold its "
+                "own state (error feedback, local progress), which cannot be split or merged "
+                f"exactly: resume with {sizes[0]} processes, or start in another folder "
+                "(nothing was loaded)")
+        common = self._common_rounds([{r: s for r, (s, _) in g.items()} for g in gathered])
+        self._session = self._gather(uuid.uuid4().hex)[0]
+        damaged = []
+        for rounds in reversed(common):
+            problem = self._verify(rounds, markers[rounds])
+            read = None if problem else self._read(rounds)
+            if isinstance(read, str):
+                problem, read = read, None
+            problems = [f"rank {r}: {p}" for r, p in enumerate(self._gather(problem)) if p]
+            if not problems:
+                self._load(rounds, *read)
+                if damaged:
+                    warnings.warn(f"RoundCheckpointer: resumed round {rounds} instead of a newer "
+                                  f"one: {'; '.join(damaged)}", stacklevel=2)
+                self._saved_at = self.handle.rounds_started
+                return rounds
+            damaged += problems
+            warnings.warn(f"RoundCheckpointer: round {rounds} cannot be used, trying an older "
+                          f"one: {'; '.join(problems)}", stacklevel=2)
+        if common:
+            raise CheckpointError(
+                f"RoundCheckpointer({str(self.directory)!r}): no round every rank completed "
+                f"can be verified and read ({'; '.join(damaged)}); refusing to start over in a "
+                "folder that holds them: repair the files or start in another folder (nothing "
+                "was loaded)")
+        return None
+
+    def _read(self, rounds: int):
+        """``(state, saved model or None)`` of round ``rounds`` on this rank, read with
+        ``weights_only=True``; or what kept it from being read, naming the file."""
+        folder = self.directory / f"{_PREFIX}{rounds:08d}"
+        path = folder / f"rank{self.rank}.pt"
+        try:
+            state = torch.load(path, weights_only=True)
+            if not isinstance(state, dict) or state.get("format") != _FORMAT:
+                return f"{path} is not a round checkpoint of this format"
+            model = None
+            if state["own_model"] or self.rank == 0:
+                path = folder / (f"model_rank{self.rank}.pt" if state["own_model"] else "model.pt")
+                model = torch.load(path, weights_only=True)
+            return state, model, path
+        except pickle.UnpicklingError:
+            return (f"{path} holds something other than tensors and plain containers, which "
+                    "weights_only=True refuses to load (not written by this library, or "
+                    "tampered with); it was not run")
+        except Exception as exc:  # every rank must hear of it, or the others would wait
+            return f"{path} cannot be loaded ({type(exc).__name__}: {str(exc)[:200]})"
+
+    def _load(self, rounds: int, state: dict, saved_model: dict | None, model_path) -> None:
+        """Check round ``rounds`` fits this run (collective), then load it."""
+        problem = None
+        if saved_model is not None:
+            problem = self._model_difference(saved_model, model_path)
+        if problem is None:
+            try:
+                self.handle.check_state_dict(state["averaging"])
+            except (TypeError, ValueError) as exc:
+                path = self.directory / f"{_PREFIX}{rounds:08d}" / f"rank{self.rank}.pt"
+                problem = f"{path}: {exc}"
+        self._all_ok(problem, f"round {rounds} does not fit this run")
+        self._load_model(saved_model, own=state["own_model"])
         self.handle.load_state_dict(state["averaging"])
-        self._local_optimizer().load_state_dict(state["optimizer"])
+        _load_optimizer(self._local_optimizer(), state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
-        self._saved_at = self.handle.rounds_started
-        return common[-1]
+
+    def _model_difference(self, saved: dict, path: Path) -> str | None:
+        """What keeps ``saved`` (a model state dict) from loading into the model, naming
+        the first parameter that differs; ``None`` if it fits."""
+        current = self.model.state_dict()
+        for name, tensor in current.items():
+            if name not in saved:
+                return f"{path} is of another model: it has no {name!r}"
+            mine = local_tensor(tensor)
+            if tuple(saved[name].shape) != tuple(mine.shape) or saved[name].dtype != mine.dtype:
+                return (f"{path} is of another model: {name!r} is {saved[name].dtype} "
+                        f"{tuple(saved[name].shape)} there, {mine.dtype} {tuple(mine.shape)} here")
+        extra = sorted(set(saved) - set(current))
+        if extra:
+            return f"{path} is of another model: it has {extra[0]!r}, which this model has not"
+        return None
+
+    @torch.no_grad()
+    def _load_model(self, saved: dict | None, *, own: bool) -> None:
+        """In place (DDP, FSDP2 and the buckets keep their tensors); rank 0's shared copy
+        is broadcast."""
+        for name, tensor in self.model.state_dict().items():
+            mine = local_tensor(tensor)
+            if saved is not None:
+                mine.copy_(saved[name])
+            if not own and self._world() > 1:
+                src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+                dist.broadcast(mine, src=src, group=self.group)

@@ -8,7 +8,7 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["AveragingHookError"]
+__all__ = ["AveragingHookError", "CheckpointError", "SettingsMismatchError"]
 
 
 class AveragingHookError(RuntimeError):
@@ -16,3 +16,14 @@ class AveragingHookError(RuntimeError):
 
     The message names the hook, the bucket, the round and what was expected.
     """
+
+
+class SettingsMismatchError(ValueError):
+    """Ranks that must share a setting registered it differently (or a checkpoint was
+    made with another one). Raised on every rank; the message names the setting, the
+    values and the ranks."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder cannot be resumed: every round in it is damaged, it was made
+    with another world size or model, or it belongs to another run. Nothing was loaded."""

@@ -324,30 +324,27 @@ class AveragingHandle:
             out["hook_state"] = self.state.state_dict()
         return out
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved (on this rank, into a fresh handle).
+    def check_state_dict(self, state_dict) -> None:
+        """Raise, changing nothing, if :meth:`load_state_dict` would refuse ``state_dict``.
 
-        Raises ``ValueError`` naming the first difference when the checkpoint was made
-        with another hook, period, warm-up or bucket layout; nothing is changed then.
+        ``TypeError`` for something that is not a handle's state dict; ``ValueError``
+        naming the first difference when it was made with other settings (hook, period,
+        warm-up, fragments, the bucket layout, the shards).
         """
-        self._check_alive("load_state_dict")
         if not isinstance(state_dict, dict) or not all(k in state_dict for k in _KEYS):
             raise TypeError(
                 "load_state_dict: expected the dict returned by AveragingHandle.state_dict(), "
                 f"got {type(state_dict).__name__}"
                 + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
             )
-        self.synchronize()
-        buckets = self._engine.buckets
-        saved = [{"anchor": a, "memory": m}
-                 for a, m in zip(state_dict["anchors"], state_dict["bucket_memory"])]
         for key, mine in self.config().items():
             theirs = state_dict["config"].get(key)
             if theirs != mine:
                 raise ValueError(f"load_state_dict: {difference(key, theirs, mine)}; "
                                  "register with the same settings to resume")
-        for bucket, entry in zip(buckets, saved):
-            bucket.check_state(entry)
+        for bucket, anchor, kept in zip(self._engine.buckets, state_dict["anchors"],
+                                          state_dict["bucket_memory"]):
+            bucket.check_state({"anchor": anchor, "memory": kept})
         has_hook_state = hasattr(self.state, "load_state_dict")
         if has_hook_state != ("hook_state" in state_dict):
             raise ValueError(
@@ -355,11 +352,23 @@ class AveragingHandle:
                 + ("has no hook state but this hook's state needs one"
                    if has_hook_state else "has a hook state but this hook's state takes none")
             )
-        if has_hook_state:
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what :meth:`state_dict` saved (on this rank, into a fresh handle).
+
+        Checked first by :meth:`check_state_dict`: a checkpoint made with another hook,
+        period, warm-up or bucket layout raises ``ValueError`` naming the first
+        difference, and nothing is changed then.
+        """
+        self._check_alive("load_state_dict")
+        self.check_state_dict(state_dict)
+        self.synchronize()
+        if hasattr(self.state, "load_state_dict"):
             self.state.load_state_dict(state_dict["hook_state"])
         self._schedule.load_state_dict(state_dict["schedule"])
-        for bucket, entry in zip(buckets, saved):
-            bucket.load_state_dict(entry)
+        for bucket, anchor, kept in zip(self._engine.buckets, state_dict["anchors"],
+                                          state_dict["bucket_memory"]):
+            bucket.load_state_dict({"anchor": anchor, "memory": kept})
         for field in dataclasses.fields(self.stats):  # in place: the stats object stays
             setattr(self.stats, field.name, state_dict["stats"][field.name])
         self._step_count = int(state_dict["step_count"])

@@ -22,25 +22,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-import torch
+from ..trees import clone_tree
 
 T = TypeVar("T")
-
-
-def map_tensors(fn, obj):
-    """A copy of a state-dict tree (dicts, lists, tuples) with ``fn`` applied to every tensor."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(fn, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(fn, v) for v in obj)
-    return obj
-
-
-def clone_tree(obj):
-    """A copy of a state-dict tree with every tensor cloned (no aliasing either way)."""
-    return map_tensors(lambda t: t.detach().clone(), obj)
 
 
 class PerBucket(Generic[T]):

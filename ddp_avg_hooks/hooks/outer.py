@@ -54,7 +54,8 @@ import torch
 from .._groups import group_of_state, is_member, or_world
 from ..bucket import ParamBucket
 from ..protocol import HookSpec, SPEC_ATTRIBUTE, hook_name, hook_spec
-from ._per_bucket import PerBucket, clone_tree
+from ..trees import clone_tree
+from ._per_bucket import PerBucket
 
 #: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al., 2023).
 DILOCO_DEFAULTS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}

@@ -6,7 +6,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import grad_hooks
-from ..hooks._per_bucket import map_tensors
+from ..trees import map_tensors
 
 
 def find_ddp(model) -> DistributedDataParallel | None:

@@ -1,0 +1,163 @@
+"""Checkpoints that are safe to load and never lost, on 2 and 3 gloo ranks: a tampered
+pickle is refused unrun, a damaged newest round falls back to the older one (bit-identical
+to a run that used it), another world size or model is refused on every rank before
+anything is loaded, and the old rounds' files are unchanged afterwards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddp_avg_hooks as dah
+from ddp_avg_hooks.checkpoint import RoundCheckpointer
+from _dist import run_ranks
+from _helpers import flat, make_model, train_step
+
+STEPS, PERIOD, WARMUP = 14, 3, 2  # rounds after steps 2, 5, 8, 11
+
+
+def _rank(rank, world_size, ckpt_dir, stop_at=None, resume=False, dims=(5, 8, 3)):
+    model = make_model(dims=dims)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=PERIOD,
+                                         warmup_steps=WARMUP, optimizer=opt)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
+    out = {"error": None, "warnings": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out["restored"] = ckpt.restore() if resume else None
+            for step in range(handle.step_count, STEPS):
+                if step == stop_at:
+                    break
+                train_step(ddp, opt, rank, step, dims=dims)
+                ckpt.maybe_save()
+        except dah.errors.CheckpointError as exc:
+            out["error"] = str(exc)
+    out["warnings"] = [str(w.message) for w in caught if "RoundCheckpointer" in str(w.message)]
+    out["params"] = flat(model)
+    handle.remove()
+    return out
+
+
+def _digests(folder) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    return run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path_factory.mktemp("a")))
+
+
+def _stopped(tmp_path, world=2):
+    run_ranks(_rank, world, timeout_s=90, ckpt_dir=str(tmp_path), stop_at=10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-00000002", "round-00000003"]
+
+
+@pytest.mark.parametrize("damaged", ["rank1.pt", "model.pt"])
+def test_a_truncated_newest_round_falls_back_to_the_older_one(tmp_path, straight, damaged):
+    _stopped(tmp_path)
+    path = tmp_path / "round-00000003" / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True)
+    for r in range(2):
+        assert resumed[r]["error"] is None and resumed[r]["restored"] == 2
+        assert any(str(path) in w and "damaged" in w for w in resumed[r]["warnings"])
+        # the same run as one that resumed round 2 on purpose: the uninterrupted one
+        assert torch.equal(resumed[r]["params"], straight[r]["params"])
+
+
+class _Payload:
+    """Unpickling this runs code: it would create the file ``path``."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("marker", ["as left", "rewritten to match"])
+def test_a_tampered_pickle_is_never_run(tmp_path, marker):
+    ckpt = tmp_path / "ckpt"
+    _stopped(ckpt)
+    sentinel = tmp_path / "pwned"
+    for rounds in ("round-00000002", "round-00000003"):
+        target = ckpt / rounds / "rank0.pt"
+        target.write_bytes(pickle.dumps({"optimizer": _Payload(str(sentinel))}))
+        if marker == "rewritten to match":  # the attacker fixed the checksum too
+            done = ckpt / rounds / "rank0.done"
+            m = json.loads(done.read_text())
+            m["files"]["rank0.pt"] = hashlib.sha256(target.read_bytes()).hexdigest()
+            done.write_text(json.dumps(m))
+    before = _digests(ckpt)
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(ckpt), resume=True)
+    assert not sentinel.exists()
+    for r in range(2):  # refused on every rank, naming what is wrong
+        error = resumed[r]["error"]
+        assert error is not None
+        assert "rank0.pt" in error and "rank 0:" in error, error
+    assert _digests(ckpt) == before  # nothing overwritten, nothing pruned
+
+
+@pytest.mark.parametrize("saved_by, restored_by", [(2, 3), (2, 1), (3, 2)])
+def test_another_world_size_is_refused_and_the_rounds_stay(tmp_path, saved_by, restored_by):
+    _stopped(tmp_path, saved_by)
+    before = _digests(tmp_path)
+    resumed = run_ranks(_rank, restored_by, timeout_s=90, ckpt_dir=str(tmp_path), resume=True)
+    for r in range(restored_by):
+        expected = f"saved by {saved_by} processes and this run has {restored_by}"
+        assert expected in resumed[r]["error"]
+    assert _digests(tmp_path) == before
+
+
+def test_another_model_is_refused_naming_the_checkpoint_and_the_parameter(tmp_path):
+    _stopped(tmp_path)
+    before = _digests(tmp_path)
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True,
+                        dims=(5, 6, 3))
+    for r in range(2):
+        error = resumed[r]["error"]
+        assert "round-00000003" in error and "model.pt is of another model" in error, error
+        assert "'0.weight'" in error
+    assert _digests(tmp_path) == before
+
+
+def test_every_round_damaged_is_an_error_not_a_fresh_start(tmp_path):
+    _stopped(tmp_path)
+    for rounds in ("round-00000002", "round-00000003"):
+        (tmp_path / rounds / "rank1.pt").write_bytes(b"")
+    before = _digests(tmp_path)
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True)
+    for r in range(2):
+        assert "no round every rank completed can be verified and read" in resumed[r]["error"]
+        assert "refusing to start over" in resumed[r]["error"]
+    assert _digests(tmp_path) == before
+
+
+def test_a_new_run_does_not_save_over_another_runs_rounds(tmp_path):
+    _stopped(tmp_path)
+    before = _digests(tmp_path)
+    fresh = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path))  # no restore()
+    for r in range(2):
+        assert "holds round 3 of another run; call restore() first" in fresh[r]["error"]
+    assert _digests(tmp_path) == before
+
+
+def test_what_the_library_writes_loads_with_weights_only(tmp_path):
+    _stopped(tmp_path)
+    for path in sorted(tmp_path.rglob("*.pt")):
+        torch.load(path, weights_only=True)  # plain tensors and containers only
+    marker = json.loads((tmp_path / "round-00000003" / "rank1.done").read_text())
+    assert marker["world_size"] == 2 and set(marker["files"]) == {"rank1.pt"}
+    assert os.path.exists(tmp_path / "round-00000003" / "model.pt")
