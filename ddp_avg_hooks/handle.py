@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 
 from . import memory
+from ._groups import is_member
 from .bucket import ParamBucket
+from .errors import SettingsMismatchError
 from .models import AveragedModel
 from .options import AveragingOptions
 from .planner import RoundPlanner
+from .protocol import hook_spec
 from .rounds import AveragingStats, Round, RoundEngine
 from .step_hooks import StepHooks
 
@@ -27,8 +30,24 @@ _KEYS = ("step_count", "next_round", "plan", "weight_totals", "config", "schedul
          "bucket_memory", "stats")
 
 
+def setting_name(key: str, theirs, mine) -> str:
+    """The setting two configs' entries ``key`` differ in: ``key`` itself, or for
+    ``"hook_settings"`` the first hook setting that differs."""
+    if key == "hook_settings" and isinstance(theirs, dict) and isinstance(mine, dict):
+        names = sorted(set(theirs) | set(mine))
+        return next((n for n in names if theirs.get(n, _MISSING) != mine.get(n, _MISSING)), key)
+    return key
+
+
+_MISSING = "(not set)"
+
+
 def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str = "here") -> str:
     """One sentence naming where two configs (see :meth:`AveragingHandle.config`) differ."""
+    name = setting_name(key, theirs, mine)
+    if name != key:
+        return (f"the hook's setting {name!r} differs: {theirs.get(name, _MISSING)!r} "
+                f"{theirs_at}, {mine.get(name, _MISSING)!r} {mine_at}")
     if key == "shards":
         if len(theirs) != len(mine):
             return (f"the ranks hold different parameters' shards: {len(theirs)} non-empty "
@@ -289,13 +308,21 @@ class AveragingHandle:
 
     # --- checkpoints ------------------------------------------------------------------
     def config(self) -> dict:
-        """What every rank, and a checkpoint being loaded, must agree on."""
+        """What every rank, and a checkpoint being loaded, must agree on: the hook, every
+        option in ``AveragingOptions.AGREED``, the averaging group's members, the hook
+        state's declared settings (``HookSpec.settings``), the shards and the buckets."""
+        opts, spec = self._options, hook_spec(self._engine.hook)
+        group = self.process_group
+        agreed = {name: getattr(opts, name) for name in AveragingOptions.AGREED
+                  if name not in ("period", "process_group", "fragments", "keep_anchor")}
         return {
             "hook": self._engine.name,
             "period": self._schedule.describe(),
-            "warmup_steps": self._options.warmup_steps,
-            "overlap": self._options.overlap,
+            **agreed,
             "fragments": len(self._engine.fragments),
+            "keep_anchor": opts.wants_anchor(spec.needs_anchor),
+            "group": dist.get_process_group_ranks(group) if is_member(group) else None,
+            "hook_settings": spec.settings_of(self.state),
             **({"shards": self._model.shards()} if self.sharded else {}),
             "layout": [b.layout() for b in self._engine.buckets],
         }
@@ -340,8 +367,9 @@ class AveragingHandle:
         for key, mine in self.config().items():
             theirs = state_dict["config"].get(key)
             if theirs != mine:
-                raise ValueError(f"load_state_dict: {difference(key, theirs, mine)}; "
-                                 "register with the same settings to resume")
+                raise SettingsMismatchError(
+                    f"load_state_dict: the checkpoint was made with other settings: "
+                    f"{difference(key, theirs, mine)}; register with the same settings to resume")
         for bucket, anchor, kept in zip(self._engine.buckets, state_dict["anchors"],
                                           state_dict["bucket_memory"]):
             bucket.check_state({"anchor": anchor, "memory": kept})

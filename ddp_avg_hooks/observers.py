@@ -93,6 +93,7 @@ def bucket_checksum(bucket, *, anchor: bool = False) -> torch.Tensor:
 class AgreementCheck(RoundObserver):
     """Compare the step counter and an exact checksum of every bucket across ranks.
 
+    Only the round's own buckets are compared (a fragment round averages its fragment).
     With overlapped rounds the replicas agree on the anchor, not the parameters, so the
     anchors are compared.
     """
@@ -102,16 +103,19 @@ class AgreementCheck(RoundObserver):
     def __init__(self, overlap: bool) -> None:
         self._overlap = overlap
 
+    def measure(self, buckets, rnd):
+        return list(buckets)  # the round's buckets: the ones that must agree
+
     def report(self, handle, round_number: int, measured) -> None:
         group = handle.process_group
         if not is_member(group):
             return
-        buckets = handle.buckets
+        buckets = measured
         sums = [bucket_checksum(b, anchor=self._overlap and b.has_anchor()).cpu()
                 for b in buckets]
         local = torch.stack([torch.tensor(handle.step_count, dtype=torch.int64), *sums])
         if dist.get_backend(group) == "nccl":
-            local = local.to(buckets[0].device)
+            local = local.to(torch.device("cuda", torch.cuda.current_device()))
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         name = handle.hook_name
@@ -126,7 +130,8 @@ class AgreementCheck(RoundObserver):
             if len(diff):
                 raise AveragingHookError(
                     f"verify=True: after round {round_number} of {name!r}, "
-                    f"bucket {int(diff[0])} differs between group ranks 0 and {rank}"
+                    f"bucket {buckets[int(diff[0])].index()} differs between group ranks 0 "
+                    f"and {rank}"
                 )
 
 

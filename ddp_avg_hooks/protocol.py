@@ -48,12 +48,17 @@ class HookSpec:
             ``c``, so is the result's. Weighted time-based rounds then start without
             waiting for the other ranks' step counts, and correct the result's scale
             when they arrive (see ``schedules.EverySeconds``).
+        settings: ``settings(state) -> dict`` of plain values: the state's settings that
+            every rank must share (a block size, a rank, an outer learning rate). The
+            registry compares them across the averaging group and a checkpoint's against
+            the handle's, naming the setting that differs.
     """
 
     needs_anchor: bool = False
     validate_state: Callable[[object], None] | None = None
     prepare_bucket: Callable[[object, object], None] | None = None
     linear: bool = False
+    settings: Callable[[object], dict] | None = None
 
     def validate(self, state) -> None:
         """Run ``validate_state`` (if any) on ``state``."""
@@ -65,6 +70,10 @@ class HookSpec:
         if self.prepare_bucket is not None:
             self.prepare_bucket(state, bucket)
 
+    def settings_of(self, state) -> dict:
+        """The settings ``state`` declares (``{}`` without a ``settings`` declaration)."""
+        return {} if self.settings is None else dict(self.settings(state))
+
 
 def averaging_hook(
     fn: Callable | None = None,
@@ -73,13 +82,21 @@ def averaging_hook(
     validate_state: Callable | None = None,
     prepare_bucket: Callable | None = None,
     linear: bool = False,
+    settings: Callable | None = None,
 ):
     """Attach a :class:`HookSpec` to a hook function (as ``fn.averaging_spec``); returns ``fn``.
 
     Usable bare (``@averaging_hook``, which declares nothing) or with arguments.
+
+    Example:
+        >>> import ddp_avg_hooks as dah
+        >>> @dah.averaging_hook(settings=lambda state: {"scale": state["scale"]})
+        ... def scaled_hook(state, bucket): ...
+        >>> dah.hook_spec(scaled_hook).settings_of({"scale": 0.5})
+        {'scale': 0.5}
     """
     spec = HookSpec(needs_anchor=bool(needs_anchor), validate_state=validate_state,
-                    prepare_bucket=prepare_bucket, linear=bool(linear))
+                    prepare_bucket=prepare_bucket, linear=bool(linear), settings=settings)
 
     def attach(hook: Callable) -> Callable:
         setattr(hook, SPEC_ATTRIBUTE, spec)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -13,7 +15,8 @@ from ._groups import group_of_state, is_member, or_world
 from .bucket import assign_buckets
 from .models import averaged_model
 from .errors import AveragingHookError
-from .handle import AveragingHandle, AveragingStats, difference
+from .errors import SettingsMismatchError
+from .handle import AveragingHandle, AveragingStats, difference, setting_name
 from .observers import make_observers
 from .options import AveragingOptions
 from .planner import split_fragments
@@ -26,8 +29,31 @@ from .storage import DeviceStorage, HostStorage, ZeroCopyStorage
 __all__ = ["AveragingHandle", "AveragingHookError", "AveragingStats", "register_averaging_hook"]
 
 
+def warn_on_shared_elastic_store() -> bool:
+    """Warn (once, as Python shows warnings) when torchrun may restart these workers
+    (``--max-restarts`` > 0) and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE`` is not ``1``:
+    restarted gloo workers can then read a peer address the previous attempt left in
+    torchrun's shared store and fail with ``connectFullMesh ... Connection refused``.
+    Returns whether it warned."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not restarts.isdigit() or int(restarts) == 0:
+        return False
+    if os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return False
+    warnings.warn(
+        f"torchrun may restart this job (--max-restarts {restarts}) and "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE is not set: restarted gloo workers can fail to "
+        "reconnect ('connectFullMesh ... Connection refused', pytorch/pytorch#135712) and use "
+        "up the restarts. Run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its "
+        "environment, with --standalone or --rdzv-backend c10d alike",
+        stacklevel=3)
+    return True
+
+
 def _agree_across_ranks(handle: AveragingHandle, group) -> None:
-    """Every rank of ``group`` checks that all registered the same thing."""
+    """Every rank of ``group`` checks that all registered the same settings; a difference
+    raises :class:`~ddp_avg_hooks.errors.SettingsMismatchError` on every rank, naming the
+    setting, the values and the ranks."""
     if not is_member(group) or dist.get_world_size(group) == 1:
         return
     mine = handle.config()
@@ -36,20 +62,26 @@ def _agree_across_ranks(handle: AveragingHandle, group) -> None:
         dist.all_gather_object(gathered, mine, group=group)
     except Exception as exc:
         raise RuntimeError(
-            "register_averaging_hook: could not exchange settings with the other ranks "
-            f"(did every rank of the group register the hook?): {exc}"
+            "register_averaging_hook: could not exchange settings with the other ranks of "
+            f"the averaging group (ranks {dist.get_process_group_ranks(group)}) within its "
+            "timeout: did every rank of the group register the hook, with the same group? (a "
+            "hook state or process_group= naming another group on some rank is a likely "
+            f"cause): {exc}"
         ) from exc
+    ranks = dist.get_process_group_ranks(group)
     for key in mine:
-        values = [g[key] for g in gathered]
-        differ = [r for r, v in enumerate(values) if v != values[0]]
+        values = [g.get(key) for g in gathered]
+        differ = [ranks[i] for i, v in enumerate(values) if v != values[0]]
         if differ:
-            first = differ[0]
+            first = ranks.index(differ[0])
+            name = setting_name(key, values[first], values[0])
             what = difference(key, values[first], values[0],
-                              theirs_at=f"on rank {first}", mine_at="on rank 0")
-            raise ValueError(
-                f"register_averaging_hook: ranks disagree on {key!r} (ranks {differ} differ "
-                f"from rank 0): {what}. "
-                "Every rank must register the same hook, period, warmup_steps and model"
+                              theirs_at=f"on rank {differ[0]}", mine_at=f"on rank {ranks[0]}")
+            raise SettingsMismatchError(
+                f"register_averaging_hook: ranks disagree on {name!r} (ranks {differ} differ "
+                f"from rank {ranks[0]}): {what}. Every rank of the averaging group must "
+                "register the same hook with the same settings (the options in "
+                "AveragingOptions.AGREED and the hook state's) and the same model"
             )
 
 
@@ -107,6 +139,7 @@ def register_averaging_hook(
         >>> handle.remove(); dist.destroy_process_group()
     """
     model = averaged_model(ddp_model)
+    warn_on_shared_elastic_store()
     if not callable(hook):
         raise TypeError("register_averaging_hook: hook must be callable, got "
                         f"{type(hook).__name__}")

@@ -151,6 +151,20 @@ class Round:
             fut.add_done_callback(completed)
 
 
+_PEER_SIGNS = ("timed out", "timeout", "connection", "reset by peer", "closed", "broken pipe",
+               "aborted", "no route")
+
+
+def likely_cause(what: str) -> str:
+    """The likely cause of a collective's failure, from its message ("" if it names none)."""
+    if not any(sign in what.lower() for sign in _PEER_SIGNS):
+        return ""
+    return (". Likely cause: a peer rank died, stopped calling step(), or is in another "
+            "round (every rank of the group must run the same rounds); the first error on "
+            "the other ranks tells which. How soon it is noticed is the process group's "
+            "timeout")
+
+
 class RoundEngine:
     """Runs rounds of one hook over a fixed list of buckets.
 
@@ -201,7 +215,7 @@ class RoundEngine:
     def error(self, bucket: ParamBucket, where: str, what: str) -> AveragingHookError:
         return AveragingHookError(
             f"averaging hook {self.name!r} on bucket {bucket.index()} of "
-            f"{len(self.buckets)} ({where}): {what}"
+            f"{len(self.buckets)} ({where}): {what}{likely_cause(what)}"
         )
 
     # --- launch --------------------------------------------------------------------------

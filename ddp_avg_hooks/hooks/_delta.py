@@ -122,6 +122,10 @@ class DeltaHookFamily:
             return or_world(state.process_group), state.residual(bucket)
         return or_world(state), residual_in_bucket(bucket, self.memory_key, self.default_residual)
 
+    def settings(self, state) -> dict:
+        """A hook's ``settings``: the state's options (the defaults for ``None`` or a group)."""
+        return (state if isinstance(state, self.state_cls) else self.state_cls()).settings()
+
     def prepare_bucket(self, state, bucket: ParamBucket) -> None:
         """Make the residual at registration, so a fresh handle's ``state_dict()`` already
         has the structure a checkpoint loads into."""

@@ -165,7 +165,8 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> tor
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.float16],
-                prepare_bucket=_FAMILY.prepare_bucket, linear=True)
+                prepare_bucket=_FAMILY.prepare_bucket, linear=True,
+                settings=_FAMILY.settings)
 def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as float16.
 
@@ -199,7 +200,8 @@ def fp16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.bfloat16],
-                prepare_bucket=_FAMILY.prepare_bucket, linear=True)
+                prepare_bucket=_FAMILY.prepare_bucket, linear=True,
+                settings=_FAMILY.settings)
 def bf16_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as bfloat16.
 

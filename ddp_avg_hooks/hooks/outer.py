@@ -107,7 +107,8 @@ class OuterOptimizerState:
         ValueError: OuterOptimizerState: the outer optimizer rejects its options: Invalid ... -1.0
     """
 
-    __slots__ = ("inner_state", "optimizer_name", "optimizer_kwargs", "_factory", "_buckets")
+    __slots__ = ("inner_state", "optimizer_name", "optimizer_kwargs", "_factory", "_buckets",
+                 "_hyperparameters")
 
     def __init__(self, inner_state=None, optimizer=None, **optimizer_kwargs) -> None:
         if optimizer is None:
@@ -148,11 +149,18 @@ class OuterOptimizerState:
         self.inner_state = inner_state
         self.optimizer_name = name or type(probe).__name__
         self.optimizer_kwargs = kwargs
+        # the hyperparameters as the optimizer holds them (a factory's too)
+        self._hyperparameters = {k: v for k, v in probe.defaults.items()
+                                 if isinstance(v, (bool, int, float, str, tuple, type(None)))}
         self._factory: Callable = factory
         self._buckets: PerBucket[_BucketOuter] = PerBucket(
             "OuterOptimizerState", create=self._create, numel=lambda o: o.param.numel(),
             save=lambda o: clone_tree(o.optimizer.state_dict()),
             load=lambda o, entry: o.optimizer.load_state_dict(clone_tree(entry)))
+
+    def settings(self) -> dict:
+        """The outer optimizer's class and hyperparameters: what every rank must share."""
+        return {"optimizer": self.optimizer_name, **self._hyperparameters}
 
     @property
     def process_group(self):
@@ -311,8 +319,13 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
         inner_spec.prepare(state.inner_state, bucket)
         state.prepare(bucket)
 
+    def settings(state) -> dict:
+        inner = inner_spec.settings_of(state.inner_state)
+        return {**{f"outer_{k}": v for k, v in state.settings().items()},
+                **{f"inner_{k}": v for k, v in inner.items()}}
+
     hook.__name__ = hook.__qualname__ = name
     hook.__doc__ = f"{name}: see :func:`ddp_avg_hooks.hooks.outer_optimizer`."
     setattr(hook, SPEC_ATTRIBUTE, HookSpec(needs_anchor=True, validate_state=validate_state,
-                                           prepare_bucket=prepare_bucket))
+                                           prepare_bucket=prepare_bucket, settings=settings))
     return hook

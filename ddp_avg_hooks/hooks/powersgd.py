@@ -205,9 +205,12 @@ class PowerSGDState:
         self.round = int(state_dict["round"])
         self._memory.load_state_dict(state_dict["buckets"])
 
+    def settings(self) -> dict:
+        """The options every rank must share (all but the process group)."""
+        return {k: getattr(self, k) for k in self.__slots__[1:8]}
+
     def __getstate__(self) -> dict:  # process groups do not pickle
-        options = {k: getattr(self, k) for k in self.__slots__[1:8]}
-        return {"options": options, "state": self.state_dict()}
+        return {"options": self.settings(), "state": self.state_dict()}
 
     def __setstate__(self, s: dict) -> None:
         self.__init__(None, **s["options"])
@@ -241,8 +244,12 @@ def _prepare_bucket(state: PowerSGDState, bucket: ParamBucket) -> None:
     state.bucket_memory(bucket)
 
 
+def _settings(state: PowerSGDState) -> dict:
+    return state.settings()
+
+
 @averaging_hook(needs_anchor=True, validate_state=_validate_state, prepare_bucket=_prepare_bucket,
-                linear=True)
+                linear=True, settings=_settings)
 def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change with PowerSGD (low rank, error feedback, warm start).
 

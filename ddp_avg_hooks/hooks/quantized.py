@@ -237,7 +237,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8],
                 prepare_bucket=_FAMILY.prepare_bucket,
-                linear=True)
+                linear=True, settings=_FAMILY.settings)
 def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int8.
 
@@ -270,7 +270,7 @@ def int8_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[4],
                 prepare_bucket=_FAMILY.prepare_bucket,
-                linear=True)
+                linear=True, settings=_FAMILY.settings)
 def int4_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise int4.
 
