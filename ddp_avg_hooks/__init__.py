@@ -6,7 +6,8 @@ Example:
     (True, True)
 """
 
-from . import collectives, grad_hooks, hierarchy, hooks, memory, ops, rounds, schedules, storage
+from . import (checkpoint, collectives, errors, grad_hooks, hierarchy, hooks, memory, models, ops,
+               rounds, schedules, storage)
 from .bucket import ParamBucket
 from .errors import AveragingHookError
 from .handle import AveragingHandle
@@ -25,12 +26,15 @@ __all__ = [
     "HookSpec",
     "ParamBucket",
     "averaging_hook",
+    "checkpoint",
     "collectives",
+    "errors",
     "grad_hooks",
     "hierarchy",
     "hook_spec",
     "hooks",
     "memory",
+    "models",
     "needs_anchor",
     "ops",
     "register_averaging_hook",

@@ -30,6 +30,12 @@ Properties (tested in ``tests/test_powersgd.py``):
 * ``Q`` is drawn from ``torch.Generator`` seeded with ``(seed, bucket.index())``, on the
   CPU, identically on every rank; the global RNG is never touched.
 
+On an FSDP2 model a bucket holds a rank's local shards: each matrix is the rank's
+row-block of the parameter (``Shard(0)``), compressed on its own, with its own factors and
+error feedback. So the rank-``r`` approximation is per block (the whole matrix's may reach
+rank ``r * shards``), and a block of at most ``r`` rows is averaged exactly. The ranks that
+average together hold the same blocks, so their factors agree as on DDP.
+
 Collective ordering: both allreduces are issued by the caller's thread, in the hook
 itself; the hook waits for the ``P`` allreduce (small) before issuing ``Q``, and only
 the decompression runs in a ``.then`` callback. A collective issued from a callback
