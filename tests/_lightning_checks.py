@@ -99,9 +99,11 @@ def main():
     report("state_dict_on_every_rank", len(calls) == 2, f"state_dict calls {len(calls)}")
     path = glob.glob(os.path.join(ckpt_dir, "*step=32*.ckpt"))[0]
     saved = torch.load(path, weights_only=False)["callbacks"]["AveragingCallback"]
-    mem = [next(iter(r["bucket_memory"][0].values())) for r in saved["ranks"]]  # fp16 residuals
+    mem = [next(iter(r["averaging"]["bucket_memory"][0].values()))  # fp16 residuals
+           for r in saved["ranks"]]
     report("checkpoint_has_each_ranks_state",
-           saved["world_size"] == 2 and [r["step_count"] for r in saved["ranks"]] == [32, 32]
+           saved["world_size"] == 2
+           and [r["averaging"]["step_count"] for r in saved["ranks"]] == [32, 32]
            and not torch.equal(mem[0], mem[1]), f"keys {sorted(saved['ranks'][0])}")
     resumed_cb = AveragingCallback(dah.hooks.fp16_compress_hook, **opts)
     resumed = vec(ex.fit([resumed_cb], max_steps=-1, max_epochs=2, ckpt_path=path)[1])

@@ -9,7 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # test_integrations.py and test_torchft.py). They hold no doctests; importing them for
 # --doctest-modules would import Transformers, Lightning and Accelerate in every pytest
 # process (~12 s of CPU each at collection). One that gains a doctest is collected again.
-_SCRIPTS = ("_hf_checks.py", "_lightning_checks.py", "_accelerate_checks.py", "_torchft_worker.py")
+_SCRIPTS = ("_hf_checks.py", "_lightning_checks.py", "_accelerate_checks.py", "_torchft_worker.py",
+            "_resume_checks.py")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 

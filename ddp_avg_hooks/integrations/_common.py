@@ -1,7 +1,9 @@
-"""What the integrations share: one gradient comm hook per DDP model, and model checks."""
+"""What the integrations share: one gradient comm hook per DDP model, model checks, and
+each rank's part of a framework checkpoint."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -55,3 +57,40 @@ def detach(ddp: DistributedDataParallel | None) -> None:
 def to_cpu(obj):
     """``obj`` with every tensor moved to the CPU (for ``all_gather_object``)."""
     return map_tensors(lambda t: t.detach().cpu(), obj)
+
+
+def rank_state(module, optimizers, handle_state: dict) -> dict:
+    """This rank's part of a framework checkpoint, on the CPU: its model, its optimizers'
+    states and its handle's. Frameworks save rank 0's model and optimizer only, but after
+    the warm-up each replica has its own parameters and momentum until the next round."""
+    return to_cpu({"format": 1, "world_size": world_size(), "model": module.state_dict(),
+                   "optimizers": [opt.state_dict() for opt in optimizers],
+                   "averaging": handle_state})
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def check_rank_state(saved: dict, where: str) -> None:
+    """Raise ``ValueError`` if ``saved`` (from :func:`rank_state`) is not of this run's size."""
+    if saved.get("world_size") != world_size():
+        raise ValueError(
+            f"{where}: the averaging state was saved by {saved.get('world_size')} processes and "
+            f"this run has {world_size()}: each rank's state (parameters, momentum, error "
+            "feedback) is its own; resume with the same number of processes")
+
+
+@torch.no_grad()
+def load_rank_state(saved: dict, module, optimizers, handle) -> None:
+    """Put :func:`rank_state` back: checked first (``handle.check_state_dict``), then the
+    model in place, the optimizers, the handle."""
+    handle.check_state_dict(saved["averaging"])
+    if len(saved["optimizers"]) != len(optimizers):
+        raise ValueError(f"the checkpoint holds {len(saved['optimizers'])} optimizers' states, "
+                         f"this run has {len(optimizers)}")
+    for name, tensor in module.state_dict().items():
+        tensor.copy_(saved["model"][name])
+    for opt, state in zip(optimizers, saved["optimizers"]):
+        opt.load_state_dict(state)
+    handle.load_state_dict(saved["averaging"])

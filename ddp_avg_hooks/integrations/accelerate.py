@@ -4,10 +4,19 @@ Same arguments, same use (``with LocalSGD(...) as local_sgd:`` around the loop,
 ``local_sgd.step()`` after each optimizer step, one average on leaving), but the
 parameters are averaged by this library's hooks and the gradients are kept local by
 ``local_sgd_grad_hook`` instead of ``model.no_sync()``.
+
+Checkpoints: ``accelerator.save_state`` stores rank 0's model and optimizer only, but after
+the warm-up every replica has its own parameters and momentum until the next round. So
+``LocalSGD`` registers with the accelerator: ``save_state`` also writes
+``ddp_avg_hooks_rank{r}.pt`` on every rank (its model, the ``optimizer=`` given, and the
+handle's state), and ``load_state`` puts each rank's back after Accelerate loaded rank
+0's (the handle's when the ``with`` block begins, if it has not begun yet). Make the
+``LocalSGD`` before ``accelerator.load_state``, as the accelerator's own objects.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -15,7 +24,10 @@ from accelerate import Accelerator, DistributedType
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import GradSync, detach, find_ddp
+from ._common import (GradSync, check_rank_state, detach, find_ddp, load_rank_state, rank_state,
+                      world_size)
+
+STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 
 _UNSUPPORTED = {getattr(DistributedType, name)
                 for name in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TPU")
@@ -34,6 +46,9 @@ class LocalSGD:
         hook, state, warmup_steps, **options: as for
             :func:`~ddp_avg_hooks.register_averaging_hook`. During the ``warmup_steps``
             first steps gradients are averaged as usual; after them they stay local.
+        optimizer: the prepared optimizer, whose state every rank saves with
+            ``accelerator.save_state`` (see the module); it does not step the handle,
+            ``step()`` does.
 
     The schedule is this library's (PyTorch's ``PeriodicModelAverager``'s): rounds after
     optimizer steps ``warmup_steps + 1``, ``warmup_steps + 1 + local_sgd_steps``, ...;
@@ -49,7 +64,7 @@ class LocalSGD:
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, local_sgd_steps: int,
                  enabled: bool = True, *, hook: Callable = hooks.allreduce_hook, state=None,
-                 warmup_steps: int = 0, **options) -> None:
+                 warmup_steps: int = 0, optimizer=None, **options) -> None:
         if accelerator.distributed_type in _UNSUPPORTED:
             raise NotImplementedError(
                 "LocalSGD is supported only for multi-CPU/GPU DistributedDataParallel, not "
@@ -60,12 +75,60 @@ class LocalSGD:
         self.accelerator, self.model, self.local_sgd_steps = accelerator, model, local_sgd_steps
         self.hook, self.state, self.warmup_steps, self.options = hook, state, warmup_steps, options
         self.handle = None
+        self.optimizer = optimizer
         self._ddp = find_ddp(model) if self.enabled else None
         if self.enabled and self._ddp is None:
             raise TypeError(
                 "LocalSGD: model must be the DistributedDataParallel model that "
                 f"accelerator.prepare(model) returns, got {type(model).__name__}"
             )
+        self._last: dict | None = None  # the handle's state when the block ended
+        self._load_dir: str | None = None
+        self._pending: dict | None = None  # a loaded handle state, waiting for the block
+        if self.enabled:
+            accelerator.register_save_state_pre_hook(self._save_hook)
+            accelerator.register_load_state_pre_hook(self._load_hook)
+            accelerator.register_for_checkpointing(self)
+
+    # --- checkpoints (see the module) ----------------------------------------------
+    def _optimizers(self) -> list:
+        return [] if self.optimizer is None else [self.optimizer]
+
+    def _path(self, folder: str) -> str:
+        return os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index))
+
+    def _save_hook(self, models, weights, output_dir) -> None:
+        handle_state = self.handle.state_dict() if self.handle is not None else self._last
+        if handle_state is None:  # no block has begun: nothing of ours to save
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        tmp = self._path(output_dir) + ".tmp"
+        torch.save(rank_state(self._ddp.module, self._optimizers(), handle_state), tmp)
+        os.replace(tmp, self._path(output_dir))
+
+    def _load_hook(self, models, input_dir) -> None:
+        self._load_dir = input_dir
+
+    def state_dict(self) -> dict:
+        """What Accelerate saves for this object (rank 0's): the world size; each rank's
+        own state is in its ``ddp_avg_hooks_rank{r}.pt``."""
+        return {"world_size": world_size()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Called by ``accelerator.load_state`` on every rank, after it loaded the models and
+        optimizers: load this rank's model, optimizer and handle state."""
+        path = self._path(self._load_dir)
+        if not os.path.isfile(path):
+            raise RuntimeError(
+                f"LocalSGD: accelerator.load_state({self._load_dir!r}) has no averaging state "
+                f"for this rank ({path}); without it every rank would restart from rank 0's "
+                "model and the warm-up. Load a state saved inside a LocalSGD block")
+        saved = torch.load(path, weights_only=True)
+        check_rank_state(saved, f"LocalSGD ({path})")
+        if self.handle is None:
+            self._pending = saved  # the handle's part, once the block has begun
+        else:
+            load_rank_state(saved, self._ddp.module, self._optimizers(), self.handle)
 
     def __enter__(self) -> "LocalSGD":
         if self.enabled:
@@ -73,6 +136,9 @@ class LocalSGD:
                 self._ddp, self.hook, self.state, period=self.local_sgd_steps,
                 warmup_steps=self.warmup_steps, **self.options)
             GradSync.attach(self._ddp, self.handle)
+            if self._pending is not None:
+                pending, self._pending = self._pending, None
+                load_rank_state(pending, self._ddp.module, self._optimizers(), self.handle)
         return self
 
     def __exit__(self, type, value, tb) -> None:
@@ -81,6 +147,7 @@ class LocalSGD:
         try:
             if type is None:
                 self.handle.average()  # every replica leaves with the same model
+                self._last = self.handle.state_dict()
         finally:
             self.handle.remove()
             self.handle = None

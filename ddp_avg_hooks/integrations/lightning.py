@@ -3,7 +3,13 @@
 The callback registers the hook on the ``DDPStrategy``'s ``DistributedDataParallel``
 model at ``on_fit_start``, with the trainer's optimizer, so the handle steps after every
 optimizer step (after the accumulated micro-batches, with ``accumulate_grad_batches``).
-The handle's state travels in Lightning checkpoints, one entry per rank.
+
+Checkpoints: Lightning saves rank 0's model and optimizer only, but after the warm-up
+every replica has its own parameters and momentum until the next round. So the
+callback's entry in a checkpoint holds every rank's model, optimizers and handle state,
+and on ``fit(ckpt_path=...)`` each rank puts its own back at ``on_train_start``, after
+Lightning restored rank 0's: the run goes on exactly as an uninterrupted one would, from
+any step.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import GradSync, detach, find_ddp, to_cpu
+from ._common import (GradSync, check_rank_state, detach, find_ddp, load_rank_state,
+                      rank_state)
 
 
 class AveragingCallback(Callback):
@@ -25,7 +32,9 @@ class AveragingCallback(Callback):
     Args:
         hook, state, period, warmup_steps, **options: as for
             :func:`~ddp_avg_hooks.register_averaging_hook` (``optimizer=`` is the
-            trainer's; it must have exactly one).
+            trainer's).
+        optimizer_index: with several optimizers (manual optimization), the one whose
+            steps are the schedule's steps; with one, that one (the default).
         grad_sync_after_warmup: keep DDP's gradient all-reduce after the warm-up too
             (default ``False``: ``local_sgd_grad_hook`` keeps gradients local then).
         average_at_end: average once more at ``on_fit_end``, so every rank ends ``fit``
@@ -33,13 +42,10 @@ class AveragingCallback(Callback):
 
     ``handle`` is the :class:`~ddp_avg_hooks.AveragingHandle` during ``fit``; ``stats``
     its :class:`~ddp_avg_hooks.AveragingStats` (kept after ``fit``).
-    ``state_dict()`` gathers every rank's ``handle.state_dict()`` (collective: Lightning
-    calls it on every rank when it saves, and rank 0 writes the file); on load each
-    rank takes its own entry, applied at registration if the handle does not exist yet.
-
-    Lightning saves rank 0's model and optimizer state only: a checkpoint written right
-    after a round has the model every rank shares, and with momentum or Adam pass
-    ``optimizer_state="average"`` so the optimizer state is shared at a round too.
+    ``state_dict()`` gathers every rank's model, optimizers and handle state
+    (collective: Lightning calls it on every rank when it saves, and rank 0 writes the
+    file: the checkpoint holds one copy of the model per rank); on load each rank takes
+    its own entry, applied at ``on_train_start`` (see the module).
 
     Example::
 
@@ -49,7 +55,8 @@ class AveragingCallback(Callback):
 
     def __init__(self, hook: Callable = hooks.allreduce_hook, state=None, *, period,
                  warmup_steps: int = 0, grad_sync_after_warmup: bool = False,
-                 average_at_end: bool = True, **options) -> None:
+                 average_at_end: bool = True, optimizer_index: int | None = None,
+                 **options) -> None:
         if "optimizer" in options:
             raise TypeError("AveragingCallback: optimizer= is not an option here; the "
                             "trainer's optimizer is used")
@@ -57,11 +64,13 @@ class AveragingCallback(Callback):
         self.period, self.warmup_steps = period, warmup_steps
         self.grad_sync_after_warmup, self.average_at_end = grad_sync_after_warmup, average_at_end
         self.options = options
+        self.optimizer_index = optimizer_index
         self.handle = None
         self.stats = None
         self._ddp = None
+        self._trainer = self._module = None
         self._loaded: dict | None = None  # a checkpoint's entry, waiting for the handle
-        self._last: dict | None = None    # this rank's handle state when fit ended
+        self._last: dict | None = None    # this rank's state when fit ended
 
     # --- fit ----------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -74,19 +83,30 @@ class AveragingCallback(Callback):
                 'Use Trainer(strategy="ddp", ...) (or strategy=DDPStrategy(...)); '
                 "FSDP, DeepSpeed and single-device strategies are not supported"
             )
-        if len(trainer.optimizers) != 1:
-            raise ValueError("AveragingCallback needs exactly one optimizer, the trainer has "
-                             f"{len(trainer.optimizers)}")
-        self._ddp = ddp
+        n = len(trainer.optimizers)
+        index = self.optimizer_index
+        if index is None and n != 1:
+            raise ValueError(
+                f"AveragingCallback: the trainer has {n} optimizers; pass "
+                "AveragingCallback(..., optimizer_index=i), the optimizer whose steps count "
+                "as the averaging schedule's steps (each of its steps is one step)")
+        index = 0 if index is None else index
+        if not 0 <= index < n:
+            raise ValueError(f"AveragingCallback: optimizer_index={index}, but the trainer "
+                             f"has {n} optimizers")
+        self._ddp, self._trainer, self._module = ddp, trainer, pl_module
         self.handle = register_averaging_hook(
             ddp, self.hook, self.state, period=self.period, warmup_steps=self.warmup_steps,
-            optimizer=trainer.optimizers[0], **self.options)
+            optimizer=trainer.optimizers[index], **self.options)
         self.stats = self.handle.stats
-        if self._loaded is not None:
-            self._apply(self._loaded, trainer.global_rank)
-            self._loaded = None
         if not self.grad_sync_after_warmup:
             GradSync.attach(ddp, self.handle)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # after Lightning restored rank 0's model and optimizers: each rank's own
+        if self._loaded is not None and self.handle is not None:
+            self._apply(self._loaded, trainer.global_rank)
+            self._loaded = None
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.handle is not None and self.average_at_end:
@@ -100,17 +120,20 @@ class AveragingCallback(Callback):
         if self.handle is None:
             return
         if keep_state:
-            self._last = to_cpu(self.handle.state_dict())
+            self._last = self._rank_state()
         self.handle.remove()
         self.handle = None
         detach(self._ddp)
         self._ddp = None
 
     # --- checkpoints --------------------------------------------------------------
+    def _rank_state(self) -> dict:
+        return rank_state(self._module, self._trainer.optimizers, self.handle.state_dict())
+
     def state_dict(self) -> dict:
-        """Every rank's handle state, ``{"world_size": n, "ranks": [...]}`` (collective),
-        or ``{}`` before the first ``fit``."""
-        mine = to_cpu(self.handle.state_dict()) if self.handle is not None else self._last
+        """Every rank's model, optimizers and handle state, ``{"world_size": n, "ranks":
+        [...]}`` (collective), or ``{}`` before the first ``fit``."""
+        mine = self._rank_state() if self.handle is not None else self._last
         if mine is None:
             return {}
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -133,4 +156,6 @@ class AveragingCallback(Callback):
                 f"{state_dict['world_size']} ranks, this run has {world}; resume with the "
                 "same number of processes"
             )
-        self.handle.load_state_dict(state_dict["ranks"][rank])
+        mine = state_dict["ranks"][rank]
+        check_rank_state(mine, "AveragingCallback")
+        load_rank_state(mine, self._module, self._trainer.optimizers, self.handle)

@@ -2,17 +2,29 @@
 
 Callback events receive the unwrapped model, so the callback holds the trainer and reads
 ``trainer.model_wrapped``, the ``DistributedDataParallel`` model, at ``on_train_begin``.
+
+Checkpoints: the ``Trainer`` saves rank 0's model and optimizer only, but after the warm-up
+every replica has its own parameters and momentum until the next round. So at every
+``on_save`` each rank writes ``ddp_avg_hooks_rank{r}.pt`` into the checkpoint folder
+(``checkpoint-{global_step}``): its model, optimizer and handle state. When
+``trainer.train(resume_from_checkpoint=...)`` resumes, each rank loads its own file at
+``on_train_begin`` (after the ``Trainer`` loaded rank 0's), so the run continues exactly
+as an uninterrupted one would: the counter, the rounds, the stats, every replica.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
+import torch
 from transformers import TrainerCallback
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import GradSync, detach, find_ddp
+from ._common import (GradSync, check_rank_state, detach, find_ddp, load_rank_state, rank_state)
+
+STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 
 
 class LocalSGDCallback(TrainerCallback):
@@ -21,7 +33,9 @@ class LocalSGDCallback(TrainerCallback):
     Registers at ``on_train_begin``, steps the handle at every ``on_step_end`` (once per
     optimizer step, after ``gradient_accumulation_steps`` micro-batches), and at
     ``on_train_end`` averages once more (with ``average_at_end``) and removes the hook.
-    With a single process it does nothing. Use :func:`add_local_sgd` to make one.
+    Every rank's state goes into every Trainer checkpoint and comes back on resume (see
+    the module). With a single process it does nothing. Use :func:`add_local_sgd` to make
+    one.
     """
 
     def __init__(self, trainer, hook: Callable = hooks.allreduce_hook, state=None, *, period,
@@ -51,6 +65,37 @@ class LocalSGDCallback(TrainerCallback):
         self.stats = self.handle.stats
         if not self.grad_sync_after_warmup:
             GradSync.attach(ddp, self.handle)
+        if state.global_step > 0:  # resumed: the Trainer loaded rank 0's model and optimizer
+            self._resume(args, state)
+
+    def _state_path(self, folder: str) -> str:
+        return os.path.join(folder, STATE_FILE.format(rank=self.trainer.args.process_index))
+
+    def _resume(self, args, state) -> None:
+        folders = [args.resume_from_checkpoint] if isinstance(args.resume_from_checkpoint, str) \
+            else []
+        folders.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        path = next((self._state_path(f) for f in folders if os.path.isfile(self._state_path(f))),
+                    None)
+        if path is None:
+            raise RuntimeError(
+                f"add_local_sgd: the Trainer resumed at step {state.global_step} but no "
+                f"averaging state was found ({', '.join(self._state_path(f) for f in folders)}); "
+                "without it every rank would restart from rank 0's model and the warm-up. "
+                "Resume from a checkpoint saved with this callback")
+        saved = torch.load(path, weights_only=True)
+        check_rank_state(saved, f"add_local_sgd ({path})")
+        load_rank_state(saved, self.trainer.model, [self.trainer.optimizer], self.handle)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.handle is None:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)  # another node's rank 0 made it on its own disk
+        saved = rank_state(self.trainer.model, [self.trainer.optimizer], self.handle.state_dict())
+        tmp = self._state_path(folder) + ".tmp"
+        torch.save(saved, tmp)
+        os.replace(tmp, self._state_path(folder))
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.handle is not None:

@@ -1,0 +1,152 @@
+"""Run under torchrun (2 ranks) by test_integrations.py: a framework's own checkpoint, taken
+mid-period, resumed in fresh processes, ends where an uninterrupted run does, bit for bit.
+
+Usage: torchrun --standalone --nproc-per-node 2 tests/_resume_checks.py FRAMEWORK PHASE DIR
+
+FRAMEWORK is hf, accelerate or lightning; PHASE is ``straight`` (train to the end, keep
+every rank's result), ``stop`` (train to a step between two rounds, checkpoint there with
+the framework's own call, stop) or ``resume`` (resume that checkpoint, train to the end,
+compare every rank with ``straight``). Rank 0 prints ``check <name>: ...`` lines.
+"""
+import glob
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _helpers import exit_cleanly, report  # noqa: E402
+
+import ddp_avg_hooks as dah  # noqa: E402
+
+
+def _result(module, handle_stats, steps):
+    params = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
+    return {"params": params, "steps": steps, "rounds": handle_stats.rounds,
+            "bytes": handle_stats.bytes_sent}
+
+
+def _finish(phase, folder, name, result):
+    rank = dist.get_rank()
+    path = os.path.join(folder, f"{phase}_rank{rank}.pt")
+    if phase == "straight":
+        torch.save(result, path)
+        return
+    if phase == "resume":
+        straight = torch.load(os.path.join(folder, f"straight_rank{rank}.pt"), weights_only=True)
+        report(f"{name}_resume_is_bit_identical",
+               torch.equal(result["params"], straight["params"])
+               and all(result[k] == straight[k] for k in ("steps", "rounds", "bytes")),
+               f"steps {result['steps']}/{straight['steps']}, rounds {result['rounds']}/"
+               f"{straight['rounds']}, max |diff| "
+               f"{(result['params'] - straight['params']).abs().max().item():.1e}")
+        # replicas differ at the end (two local steps after the last round): each rank's own
+        gathered = [torch.zeros_like(result["params"]) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, result["params"])
+        report(f"{name}_replicas_resumed_their_own_state",
+               not torch.equal(gathered[0], gathered[1]), "")
+
+
+# --- Hugging Face Trainer: rounds after optimizer steps 5, 9, 13; checkpoint at step 7 ----
+def hf(phase, folder):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
+    from transformers import TrainingArguments
+
+    from ddp_avg_hooks.integrations.transformers import add_local_sgd
+
+    sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+    from hf_trainer_local_sgd import Tokens
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 7:
+                control.should_training_stop = True
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    out = os.path.join(folder, "hf_straight" if phase == "straight" else "hf")
+    args = TrainingArguments(out, use_cpu=True, max_steps=14, learning_rate=3e-3,
+                             lr_scheduler_type="constant", per_device_train_batch_size=8,
+                             report_to=[], save_strategy="steps", save_steps=7,
+                             logging_strategy="no", disable_tqdm=True, seed=3,
+                             ddp_find_unused_parameters=False)
+    trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(),
+                      callbacks=[StopAt()] if phase == "stop" else [])
+    local_sgd = add_local_sgd(trainer, dah.hooks.fp16_compress_hook, period=4, warmup_steps=4,
+                              average_at_end=False)
+    resume = os.path.join(out, "checkpoint-7") if phase == "resume" else None
+    trainer.train(resume_from_checkpoint=resume)
+    if phase == "stop":
+        report("hf_saved_each_ranks_state",
+               len(glob.glob(os.path.join(out, "checkpoint-7", "ddp_avg_hooks_rank*.pt"))) == 2, "")
+    _finish(phase, folder, "hf", _result(trainer.model, local_sgd.stats, trainer.state.global_step))
+
+
+# --- Accelerate: rounds after optimizer steps 5, 9, 13; save_state after step 7 ----------
+def accelerate(phase, folder):
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    from ddp_avg_hooks.integrations.accelerate import LocalSGD
+
+    sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+    from accelerate_local_sgd import batches, make_model
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt, loader = accelerator.prepare(model, opt, batches())
+    local_sgd = LocalSGD(accelerator, model, local_sgd_steps=4, warmup_steps=4,
+                         hook=dah.hooks.fp16_compress_hook, optimizer=opt)
+    ckpt = os.path.join(folder, "accelerate_state")
+    start = 0
+    if phase == "resume":
+        accelerator.load_state(ckpt)  # each rank's own model, optimizer and averaging state
+        start = 7
+        loader = accelerator.skip_first_batches(loader, start)
+    with local_sgd:
+        for step, (x, y) in enumerate(loader, start=start):
+            if phase == "stop" and step == 7:
+                accelerator.save_state(ckpt)
+                break
+            if step == 14:
+                break
+            loss = F.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            local_sgd.step()
+        result = _result(model.module, local_sgd.handle.stats, local_sgd.handle.step_count)
+    _finish(phase, folder, "accelerate", result)
+
+
+# --- Lightning: rounds after steps 3, 8, ..., 63; the epoch ends after step 32 -----------
+def lightning(phase, folder):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ddp_avg_hooks.integrations.lightning import AveragingCallback
+
+    sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+    import lightning_local_sgd as ex
+
+    callback = AveragingCallback(dah.hooks.fp16_compress_hook, period=5, warmup_steps=2,
+                                 average_at_end=False)
+    ckpt_dir = os.path.join(folder, "lightning")
+    callbacks = [callback]
+    if phase == "stop":
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1,
+                                         save_on_train_epoch_end=True))
+    path = glob.glob(os.path.join(ckpt_dir, "*.ckpt"))[0] if phase == "resume" else None
+    trainer, model = ex.fit(callbacks, max_steps=-1, max_epochs=1 if phase == "stop" else 2,
+                            enable_checkpointing=phase == "stop", ckpt_path=path)
+    _finish(phase, folder, "lightning", _result(model, callback.stats, trainer.global_step))
+
+
+if __name__ == "__main__":
+    framework, phase, folder = sys.argv[1:4]
+    {"hf": hf, "accelerate": accelerate, "lightning": lightning}[framework](phase, folder)
+    exit_cleanly()
