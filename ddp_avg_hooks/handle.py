@@ -420,6 +420,13 @@ class AveragingHandle:
         """Whether :meth:`step` runs after an optimizer's steps (``optimizer=``)."""
         return self._optimizer_hook is not None
 
+    def detach_optimizer(self) -> None:
+        """Stop running :meth:`step` after the optimizer's steps (a no-op if it did not);
+        a wrapper that steps the handle itself calls it."""
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+
     def remove(self) -> None:
         """Stop averaging: finish a round in flight, detach from the optimizer, free the
         buckets. Idempotent."""

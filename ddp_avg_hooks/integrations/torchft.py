@@ -56,6 +56,7 @@ import torch
 from .. import ops
 from ..collectives import completed
 from ..protocol import averaging_hook
+from ..step_hooks import StepHooks
 
 __all__ = ["TorchftState", "allreduce_hook", "FaultTolerantAveraging"]
 
@@ -122,8 +123,11 @@ class FaultTolerantAveraging:
             manager's own ``state_dict`` / ``load_state_dict`` functions.
 
     ``step()`` replaces ``handle.step()`` and returns True when a round ran and was
-    committed. ``committed`` and ``discarded`` count the rounds; ``participants`` is
-    ``manager.num_participants()`` of the last round.
+    committed; a handle registered with ``optimizer=`` gets it after every optimizer
+    step instead (this object takes over the optimizer's step hook, so every round runs
+    inside a quorum). ``committed`` and ``discarded`` count the rounds; ``participants``
+    is ``manager.num_participants()`` of the last round, and ``rounds`` holds one record
+    per round: ``{"step", "participants", "committed"}``.
     """
 
     def __init__(self, manager, handle, *, key: str = "ddp_avg_hooks") -> None:
@@ -141,6 +145,11 @@ class FaultTolerantAveraging:
         self.manager, self.handle = manager, handle
         self.committed = self.discarded = 0
         self.participants = 0
+        self.rounds: list[dict] = []
+        self._step_hooks = None
+        if handle.attached_optimizer:  # the optimizer's steps come here, not to the handle
+            handle.detach_optimizer()
+            self._step_hooks = StepHooks(handle.options.optimizer, self.step)
         manager.register_state_dict_fn(key, handle.load_state_dict, handle.state_dict)
 
     def step(self) -> bool:
@@ -155,10 +164,14 @@ class FaultTolerantAveraging:
             raise RuntimeError("FaultTolerantAveraging: after the quorum this replica's "
                                f"step {self.handle.step_count} is no averaging step")
         self.participants = self.manager.num_participants()
+        at = self.handle.step_count
         saved = [ops.flatten(b.parameters(), torch.empty(b.numel(), dtype=b.dtype, device=b.device))
                  for b in self.handle.buckets]
         averaged = self.handle.step()
-        if self.manager.should_commit():
+        committed = self.manager.should_commit()
+        self.rounds.append({"step": at, "participants": self.participants,
+                            "committed": committed})
+        if committed:
             self.committed += 1
             return averaged
         self.discarded += 1
