@@ -94,3 +94,16 @@ def load_rank_state(saved: dict, module, optimizers, handle) -> None:
     for opt, state in zip(optimizers, saved["optimizers"]):
         opt.load_state_dict(state)
     handle.load_state_dict(saved["averaging"])
+
+
+#: why a framework's sharded training cannot run local SGD, and what to do instead
+SHARDED_REFUSAL = (
+    "{what} shards the model over every data-parallel rank (one replica group: nothing to "
+    "average) or, as native HSDP, all-reduces gradients across replica groups at every "
+    "step, which local SGD replaces; and its sharded checkpoints (torch.distributed."
+    "checkpoint) keep one copy of each shard across data-parallel ranks, so the replicas' "
+    "own states would be lost at a resume. Local SGD over shards needs a 1-D shard mesh "
+    "per replica group and per-rank checkpoints: fully_shard the model yourself and "
+    "register it with ddp_avg_hooks.register_averaging_hook under torchrun, with "
+    "ddp_avg_hooks.checkpoint.RoundCheckpointer (see examples/fsdp2.py)"
+)

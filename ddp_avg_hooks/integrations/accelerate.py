@@ -24,8 +24,8 @@ from accelerate import Accelerator, DistributedType
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (GradSync, check_rank_state, detach, find_ddp, load_rank_state, rank_state,
-                      world_size)
+from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_ddp,
+                      load_rank_state, rank_state, world_size)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 
@@ -65,6 +65,10 @@ class LocalSGD:
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, local_sgd_steps: int,
                  enabled: bool = True, *, hook: Callable = hooks.allreduce_hook, state=None,
                  warmup_steps: int = 0, optimizer=None, **options) -> None:
+        if accelerator.distributed_type == getattr(DistributedType, "FSDP", None):
+            raise NotImplementedError(
+                "LocalSGD: Accelerate's FSDP plugin is not supported: "
+                + SHARDED_REFUSAL.format(what="it"))
         if accelerator.distributed_type in _UNSUPPORTED:
             raise NotImplementedError(
                 "LocalSGD is supported only for multi-CPU/GPU DistributedDataParallel, not "

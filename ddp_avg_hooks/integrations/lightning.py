@@ -22,8 +22,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (GradSync, check_rank_state, detach, find_ddp, load_rank_state,
-                      rank_state)
+from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_ddp,
+                      load_rank_state, rank_state)
 
 
 class AveragingCallback(Callback):
@@ -77,11 +77,15 @@ class AveragingCallback(Callback):
         strategy = trainer.strategy
         ddp = find_ddp(getattr(strategy, "model", None))
         if not isinstance(strategy, DDPStrategy) or ddp is None:
+            name = type(strategy).__name__
+            if name in ("ModelParallelStrategy", "FSDPStrategy"):
+                raise RuntimeError("AveragingCallback: Lightning's " + name + " is not "
+                                   "supported: " + SHARDED_REFUSAL.format(what="it"))
             raise RuntimeError(
                 "AveragingCallback needs Lightning's DDP strategy, which wraps the model in "
-                f"DistributedDataParallel; this trainer's strategy is {type(strategy).__name__}. "
+                f"DistributedDataParallel; this trainer's strategy is {name}. "
                 'Use Trainer(strategy="ddp", ...) (or strategy=DDPStrategy(...)); '
-                "FSDP, DeepSpeed and single-device strategies are not supported"
+                "DeepSpeed and single-device strategies are not supported"
             )
         n = len(trainer.optimizers)
         index = self.optimizer_index

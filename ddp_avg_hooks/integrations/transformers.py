@@ -22,7 +22,8 @@ from transformers import TrainerCallback
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (GradSync, check_rank_state, detach, find_ddp, load_rank_state, rank_state)
+from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_ddp,
+                      load_rank_state, rank_state)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 
@@ -53,6 +54,9 @@ class LocalSGDCallback(TrainerCallback):
         if args.world_size <= 1:
             return
         ddp = find_ddp(self.trainer.model_wrapped)
+        if ddp is None and getattr(self.trainer, "is_fsdp_enabled", False):
+            raise RuntimeError("add_local_sgd: the Trainer's FSDP is not supported: "
+                               + SHARDED_REFUSAL.format(what="it"))
         if ddp is None:
             raise RuntimeError(
                 "add_local_sgd: the Trainer did not wrap the model in DistributedDataParallel "
