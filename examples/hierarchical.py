@@ -53,7 +53,8 @@ def main():
         node_rounds, world_rounds = node.stats.rounds, world.stats.rounds
         loss = train_step(ddp, opt, gen)  # runs node.step() then world.step()
         if node.stats.rounds > node_rounds:
-            in_node, everywhere = replica_spread(ddp.module, groups.intra), replica_spread(ddp.module)
+            in_node = replica_spread(ddp.module, groups.intra)
+            everywhere = replica_spread(ddp.module)
             averaged = world.stats.rounds > world_rounds
             worst = max(worst, everywhere if averaged else in_node)
             say(f"step {step:3d}  loss {loss:.4f}  "
@@ -61,7 +62,8 @@ def main():
                 f"{in_node:.1e} in the node, {everywhere:.1e} across all")
     say(f"validation loss after {args.steps} steps: {validation_loss(ddp.module):.4f}")
     say(f"node rounds: {node.stats.rounds}, {node.stats.bytes_sent / 1e3:.1f} kB inside the node; "
-        f"global rounds: {world.stats.rounds}, {world.stats.bytes_sent / 1e3:.1f} kB across the nodes")
+        f"global rounds: {world.stats.rounds}, "
+        f"{world.stats.bytes_sent / 1e3:.1f} kB across the nodes")
     check_agreement(worst)
     node.remove()
     world.remove()

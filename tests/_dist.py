@@ -5,7 +5,8 @@ an OS-chosen port, runs ``fn(rank, world_size, **kw)`` in each after
 ``init_process_group`` (with a process-group timeout), and returns the per-rank
 results (loaded through files: tensors on an mp queue die with their process).
 A rank leaves with ``os._exit(0)`` right after saving its result and destroying its
-process group (with ``hard_exit=True``, for fault tests, without destroying it). A failing rank re-raises in the parent; ranks still running at the deadline are
+process group (with ``hard_exit=True``, for fault tests, without destroying it). A
+failing rank re-raises in the parent; ranks still running at the deadline are
 killed and ``TimeoutError`` is raised.
 """
 
@@ -37,8 +38,8 @@ PG_TIMEOUT_S = float(os.environ.get("DAH_TEST_PG_TIMEOUT", "20"))
 # ddp_avg_hooks are imported in the rank, under that environment, as with spawn.
 # DAH_TEST_START_METHOD=spawn brings back one interpreter per rank.
 START_METHOD = os.environ.get("DAH_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel", "torch._dynamo",
-            "pytest"]
+_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel",
+            "torch._dynamo", "pytest"]
 
 
 def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: float | None = None,
@@ -64,7 +65,8 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)}: ranks still running after {timeout_s}s")
+                raise TimeoutError(f"{getattr(fn, '__name__', fn)}: "
+                                   f"ranks still running after {timeout_s}s")
         paths = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
         # missing_ok: a rank that exits early on purpose (a simulated crash) returns None
         return [torch.load(p, weights_only=False) if (os.path.exists(p) or not missing_ok) else None

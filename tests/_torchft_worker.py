@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 
@@ -63,7 +62,8 @@ def main() -> None:
     torch.manual_seed(0)  # every replica starts from the same weights
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # this replica group
+    # this replica group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from torchft import Manager, ProcessGroupGloo
 
     if a.wait_to_begin:
@@ -72,7 +72,8 @@ def main() -> None:
     pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(
         pg=pg, min_replica_size=1, use_async_quorum=False, init_sync=False,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), opt.load_state_dict(sd["opt"])),
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
+                                    opt.load_state_dict(sd["opt"])),
         state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
         timeout=timeout, quorum_timeout=timedelta(seconds=20), connect_timeout=timeout,
         rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,

@@ -103,7 +103,8 @@ def test_an_overlapped_round_keeps_the_progress_made_meanwhile(storage, mixing):
     now = _flat(ps)
     averaged = launch + 1.0
     b.apply(averaged.clone(), overlapped=True, mixing=mixing)
-    expected = now + (averaged - launch) if mixing is None else mixing * now + (1 - mixing) * averaged
+    expected = (now + (averaged - launch) if mixing is None
+                else mixing * now + (1 - mixing) * averaged)
     torch.testing.assert_close(_flat(ps), expected, rtol=0, atol=1e-6)
     assert torch.equal(b.stored_anchor(), averaged)
 

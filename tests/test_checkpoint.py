@@ -45,7 +45,8 @@ def _rank_train(rank, world_size, ckpt_dir, stop_at=None, resume=False, wrapped=
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["optimizer=", "AveragingOptimizer"])
 def test_stop_and_resume_is_bit_identical(tmp_path, wrapped):
-    straight = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "a"), wrapped=wrapped)
+    straight = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "a"),
+                         wrapped=wrapped)
     first = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), stop_at=10,
                       wrapped=wrapped)
     assert first[0]["completed"] == [2, 3]  # rounds after steps 5 and 8; keep=2 pruned round 1
@@ -58,7 +59,8 @@ def test_stop_and_resume_is_bit_identical(tmp_path, wrapped):
         assert torch.equal(resumed[r]["params"], straight[r]["params"])
         for key in ("rounds", "bytes", "steps", "lr"):
             assert resumed[r][key] == straight[r][key], key
-    assert not torch.equal(straight[0]["params"], straight[1]["params"])  # local steps after the last round
+    # local steps after the last round
+    assert not torch.equal(straight[0]["params"], straight[1]["params"])
 
 
 @pytest.mark.parametrize("how", ["no marker", "another session"])
@@ -82,7 +84,8 @@ def test_a_round_one_rank_did_not_finish_saving_is_not_used(tmp_path, how):
     # the resumed run saved round 3 again (both markers of the new session) and pruned
     # the leftovers of rounds older than the newest two it kept
     assert resumed[0]["completed"] == resumed[1]["completed"] == [3, 4]
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["round-00000003", "round-00000004"]
+    kept = sorted(p.name for p in (tmp_path / "b").iterdir())
+    assert kept == ["round-00000003", "round-00000004"]
 
 
 def test_overlapped_rounds_keep_a_model_per_rank(tmp_path):

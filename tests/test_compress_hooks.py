@@ -43,7 +43,8 @@ def _survive_on_ranks(rank, world_size):
     }
     for name, (hook, state) in variants.items():
         g0 = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(20 + 0.5 * torch.rand(s, generator=g0)) for s in [(8, 8), (64,)]]
+        params = [torch.nn.Parameter(20 + 0.5 * torch.rand(s, generator=g0))
+                  for s in [(8, 8), (64,)]]
         bucket = ParamBucket(0, params, is_last=True, keep_anchor=True)
         init, pre, post = _flat(params), [], []
         for k in range(4):
@@ -116,6 +117,7 @@ def _drift_on_ranks(rank, world_size, rounds):
     return out
 
 
+@pytest.mark.slow
 def test_error_feedback_bounds_long_run_drift():
     rounds, ws, u = 200, 2, 2.0**-11  # u: fp16 unit roundoff
     results = run_ranks(_drift_on_ranks, ws, timeout_s=60, rounds=rounds)
@@ -143,7 +145,8 @@ def test_error_feedback_bounds_long_run_drift():
     assert no_ef.max() > 50 * d_full.max()
     # tiny: without error feedback nothing ever moves; with it the parameters lag by
     # less than one fp16 subnormal step per rank.
-    assert torch.equal(results[0][("tiny", False)][1], torch.full((256,), 20.0, dtype=torch.float64))
+    assert torch.equal(results[0][("tiny", False)][1],
+                       torch.full((256,), 20.0, dtype=torch.float64))
     assert drift("tiny", True, rounds).max() <= ws * 2.0**-24
     # both: the allreduce's own fp16 sum rounds (ws - 1 times per element and round) and
     # no rank can see that error to feed it back. The documented bound: at most
@@ -171,8 +174,9 @@ def _train_on_ranks(rank, world_size, steps, period):
     losses = {}
     for name, (hook, make_state) in setups.items():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                                    torch.nn.Tanh(), torch.nn.Linear(64, 4))
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 4))
         ddp = DDP(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         handle = dah.register_averaging_hook(ddp, hook, make_state(), period=period, optimizer=opt)
@@ -264,7 +268,8 @@ def test_plain_group_state_keeps_error_feedback_in_bucket_memory(world1):
 
 
 def test_validation_messages():
-    with pytest.raises(TypeError, match="fp16_compress_hook: state must be None .* or a HalfDeltaState"):
+    with pytest.raises(TypeError,
+                       match="fp16_compress_hook: state must be None .* or a HalfDeltaState"):
         dah.hook_spec(fp16_compress_hook).validate(3)
     with pytest.raises(TypeError, match="error_feedback must be True or False"):
         HalfDeltaState(error_feedback=1)

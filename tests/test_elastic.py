@@ -18,10 +18,12 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                "benchmarks"))
 from harness import elastic, netns  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# one module-scoped run serves every test: one worker runs them all, first
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_elastic")]
 
 ARGS = ["--steps", "40"]  # warm-up 4, period 4: round k after step 4k; 10 rounds with the last
 # rank 0 dies before step 15 (newest common round: 3, after step 12: 2 steps redone); then

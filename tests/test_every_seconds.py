@@ -145,7 +145,8 @@ def _rank_resume(rank, world_size, tmp):
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["opt"])
     again.load_state_dict(saved["handle"])
-    resumed = (again.step_count, again.rounds_started, again.planner.local_steps(again.step_count, 0))
+    resumed = (again.step_count, again.rounds_started,
+               again.planner.local_steps(again.step_count, 0))
     totals = saved["handle"]["weight_totals"]
     assert again.state_dict()["weight_totals"] == totals and totals[0] > 0
     while again.rounds_started < 4:
@@ -157,7 +158,8 @@ def _rank_resume(rank, world_size, tmp):
 
 
 def test_state_dict_resumes_mid_run(tmp_path):
-    for rank, (resumed, steps, identical) in enumerate(run_ranks(_rank_resume, 2, tmp=str(tmp_path))):
+    results = run_ranks(_rank_resume, 2, tmp=str(tmp_path))
+    for rank, (resumed, steps, identical) in enumerate(results):
         step_count, rounds, local_steps = resumed
         assert rounds == 2 and local_steps >= 3
         assert steps > step_count and identical
@@ -178,7 +180,8 @@ def test_bad_arguments_are_clear(world1):
         dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
                                     period=EverySeconds(1.0), keep_anchor=False)
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
-                                         period=EverySeconds(1.0, weighting="equal"), zero_copy=True)
+                                         period=EverySeconds(1.0, weighting="equal"),
+                                         zero_copy=True)
     assert handle.period is None and handle.step()  # the first round: step warmup_steps
     assert not handle.step()  # a second has not passed
     handle.remove()
@@ -271,7 +274,8 @@ def _rank_counts_in_flight(rank, world_size, hook_name):
     train_step(r.ddp, r.opt, rank, r.steps)
     anchor = torch.cat([b.anchor() for b in r.handle.buckets]).double()
     launch = _gather(flat(r.model).double())
-    w = torch.tensor([float(x) for x in _gather(torch.tensor([r.handle.step_count - r.last_round]))])
+    steps_since = _gather(torch.tensor([r.handle.step_count - r.last_round]))
+    w = torch.tensor([float(x) for x in steps_since])
     if rank == 1:
         _store().wait(["entered"])  # rank 0 is in round 3, alone
     assert r.enter(trained=True) == 1  # nothing in flight: at once

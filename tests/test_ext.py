@@ -36,11 +36,12 @@ def test_failed_build_warns_once(monkeypatch):
 def test_sources_found():
     src = _ext.source_dir()
     names = {f.name for f in src.iterdir()}
-    assert {"kernels.h", "dtypes.h", "cpu_loops.h", "ops.cpp", "kernels_cpu.cpp", "feedback_cpu.cpp",
-            "kernels_cuda.cu"} <= names
+    assert {"kernels.h", "dtypes.h", "cpu_loops.h", "ops.cpp", "kernels_cpu.cpp",
+            "feedback_cpu.cpp", "kernels_cuda.cu"} <= names
     assert set(_ext._CPP_SOURCES) | set(_ext._CUDA_SOURCES) <= names
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("source", ["kernels_cuda.cu", "quantize_cuda.cu"])
 def test_cuda_kernels_compile_alone(tmp_path, source):

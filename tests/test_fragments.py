@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
-from _helpers import params_of, train_step
+from _helpers import params_of
 from ddp_avg_hooks.planner import split_fragments
 
 
@@ -148,7 +148,8 @@ def test_fragment_rounds_average_one_fragment_each(hook_name, overlap):
     results = run_ranks(_rank_fragment_rounds, 2, hook_name=hook_name, overlap=overlap)
     round_bytes, full_bytes = results[0]
     # each round sends one fragment's bytes; a period sends every parameter once
-    sizes = [sum(p.numel() for p in part) for part in split_fragments(list(_model().parameters()), 2)]
+    parts = split_fragments(list(_model().parameters()), 2)
+    sizes = [sum(p.numel() for p in part) for part in parts]
     per_element = full_bytes // sum(sizes)
     assert round_bytes == [sizes[i % 2] * per_element for i in range(7)]
 
@@ -161,8 +162,9 @@ def _rank_outer_resume(rank, world_size, tmp, stop):
         ddp = DDP(model)
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         state = dah.hooks.OuterOptimizerState()
-        handle = dah.register_averaging_hook(ddp, dah.hooks.outer_optimizer(dah.hooks.allreduce_hook),
-                                             state, period=4, fragments=2, optimizer=inner)
+        hook = dah.hooks.outer_optimizer(dah.hooks.allreduce_hook)
+        handle = dah.register_averaging_hook(ddp, hook, state, period=4, fragments=2,
+                                             optimizer=inner)
         ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
         start = 0
         if resume_from is not None:

@@ -49,7 +49,8 @@ def _rank_hierarchy(rank, world_size):
         "layout": (groups.nodes, groups.node, groups.local_rank,
                    dist.get_process_group_ranks(groups.intra),
                    dist.get_process_group_ranks(groups.cross),
-                   dist.get_process_group_ranks(groups.leaders) if groups.local_rank == 0 else None),
+                   (dist.get_process_group_ranks(groups.leaders)
+                    if groups.local_rank == 0 else None)),
         "exact": _train(rank, groups, dah.hooks.allreduce_hook, groups.intra,
                         dah.hooks.allreduce_hook, None),
         # the recipe: exact in the node, PowerSGD across all ranks

@@ -53,11 +53,13 @@ def _run_checks(script: str, packages: list[str], summary: str, agree: str, chec
     _assert_checks(out, checks)
 
 
+@pytest.mark.slow
 def test_lightning(tmp_path):
     _run_checks("_lightning_checks.py", ["lightning"],
                 r"lightning: 41 steps, 6 rounds .*replicas differ by 0\.0e\+00",
                 "lightning: replicas agree", [
-                    "parity_post_local_sgd",           # bit-identical to DDPStrategy's post-local SGD
+                    # bit-identical to DDPStrategy's post-local SGD
+                    "parity_post_local_sgd",
                     "replicas_apart_after_local_step",
                     "parity_lightning_cpu_grad_sync",  # and to DDPStrategy as it runs on CPU
                     "cpu_differs_from_local_sgd",
@@ -70,16 +72,19 @@ def test_lightning(tmp_path):
                 ], str(tmp_path))
 
 
+@pytest.mark.slow
 def test_accelerate():
     _run_checks("_accelerate_checks.py", ["accelerate"],
                 r"accelerate: 64 micro-batches, 32 optimizer steps, 4 rounds \+ 1 on leaving",
                 "accelerate: replicas agree",
-                ["parity_accelerate_local_sgd", "replicas_agree_on_exit", "block_0_rounds_and_agree",
-                 "block_1_rounds_and_agree", "disabled_is_noop"])
+                ["parity_accelerate_local_sgd", "replicas_agree_on_exit",
+                 "block_0_rounds_and_agree", "block_1_rounds_and_agree", "disabled_is_noop"])
 
 
+@pytest.mark.slow
 def test_hf_trainer():
     _run_checks("_hf_checks.py", ["transformers", "accelerate"],
                 r"hf trainer: DistributedDataParallel over 2 processes, 21 steps, 6 rounds",
                 "hf trainer: replicas agree",
-                ["rounds_at_optimizer_steps", "gradients_local_after_warmup", "removed_at_train_end"])
+                ["rounds_at_optimizer_steps", "gradients_local_after_warmup",
+                 "removed_at_train_end"])

@@ -15,7 +15,6 @@ import contextlib
 import functools
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,8 +36,10 @@ SPECIALS = torch.tensor(
     [0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
      65504.0, 65519.99609375, 65520.0, -65520.0, 65536.0, 7e4, -1e5, 3.4e38, -3.4e38,
      1e-40, -1e-45, 1.1754942e-38,                    # float32 subnormals / min normal
-     2.0**-24, 2.0**-25, 3 * 2.0**-25, -(2.0**-25), 6.1035156e-05, 6.0975552e-05,  # fp16 subnormal ties
-     1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8),  # fp16 / bf16 ties
+     2.0**-24, 2.0**-25, 3 * 2.0**-25, -(2.0**-25),   # fp16 subnormal ties
+     6.1035156e-05, 6.0975552e-05,
+     1 + 2.0**-11, 1 + 3 * 2.0**-11,                  # fp16 / bf16 ties
+     1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8),
      3.3895314e38, 3.4028235e38, 1e-8, -5.9604645e-08],
     dtype=torch.float32,
 )
@@ -95,11 +96,13 @@ def make_params(case: str, dtype: torch.dtype, device: str, seed: int = 0) -> li
         return fill(torch.empty(shape, dtype=dtype, device=device), s)
 
     if case == "empty":
-        return [torch.empty(0, dtype=dtype, device=device), torch.empty(0, 3, dtype=dtype, device=device)]
+        return [torch.empty(0, dtype=dtype, device=device),
+                torch.empty(0, 3, dtype=dtype, device=device)]
     if case == "one":
         return [new(1, s=seed), fill(torch.empty((), dtype=dtype, device=device), seed + 1)]
     if case == "odd":
-        return [new(7, s=seed), new(3, 5, s=seed + 1), new(1, s=seed + 2), new(13, 7, 3, s=seed + 3)]
+        return [new(7, s=seed), new(3, 5, s=seed + 1), new(1, s=seed + 2),
+                new(13, 7, 3, s=seed + 3)]
     if case == "noncontig":
         cl = new(2, 3, 5, 7, s=seed).contiguous(memory_format=torch.channels_last)
         t = new(5, 9, s=seed + 1).t()                        # transposed
@@ -203,7 +206,8 @@ def device(request, impl):
     return request.param
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA correctness tests not collected")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: CUDA correctness tests not collected")
 def test_cuda_device_present():
     m = _ext.load_extension()
     if m is not None:
@@ -290,7 +294,8 @@ def test_delta(impl, device, case, pd, ad, od, threads):
         out = torch.empty(numel(ps), dtype=od, device=device)
         with op_threads(case):
             assert impl.delta(anchor, ps, out, scale=scale) is out
-        cat = torch.cat([p.reshape(-1).float() for p in ps]) if ps else torch.empty(0, device=device)
+        cat = (torch.cat([p.reshape(-1).float() for p in ps]) if ps
+               else torch.empty(0, device=device))
         expected = ((anchor.float() - cat) * scale).to(od)
         assert_bits(out, expected, f"delta scale={scale}")
 
@@ -311,7 +316,8 @@ def test_apply(impl, device, case, pair, with_anchor, threads):
         assert_bits(p, e, f"apply params[{i}]")
     assert [p.data_ptr() for p in ps] == ptrs
     if with_anchor:
-        cat = torch.cat([p.reshape(-1) for p in ps]) if ps else torch.empty(0, dtype=pd, device=device)
+        cat = (torch.cat([p.reshape(-1) for p in ps]) if ps
+               else torch.empty(0, dtype=pd, device=device))
         assert_bits(anchor, cat, "apply anchor")
 
 
@@ -462,11 +468,13 @@ def _bad_calls():
                        "flatten: out must be a contiguous 1-D tensor, got shape (7, 1)"),
         "flatten-strided": (lambda m: m.flatten(p, torch.empty(14)[::2]), V,
                             "flatten: out must be a contiguous 1-D tensor"),
-        "flatten-int-param": (lambda m: m.flatten([torch.ones(3, dtype=torch.int32)], torch.empty(3)),
+        "flatten-int-param": (lambda m: m.flatten([torch.ones(3, dtype=torch.int32)],
+                                                  torch.empty(3)),
                               T, "flatten: params[0] has dtype torch.int32; supported dtypes"),
         "flatten-int-out": (lambda m: m.flatten(p, torch.empty(7, dtype=torch.int64)), T,
                             "flatten: out has dtype torch.int64"),
-        "flatten-f64-size": (lambda m: m.flatten([torch.ones(3, dtype=torch.float64)], torch.empty(4)),
+        "flatten-f64-size": (lambda m: m.flatten([torch.ones(3, dtype=torch.float64)],
+                                                 torch.empty(4)),
                              V, "flatten: out has 4 elements"),
         "flatten-device": (lambda m: m.flatten([torch.ones(3, device="meta")], torch.empty(3)), V,
                            "flatten: params[0] is on meta but out is on cpu"),
@@ -485,7 +493,8 @@ def _bad_calls():
         "delta-out-int": (lambda m: m.delta(torch.empty(7), p, torch.empty(7, dtype=torch.int8)), T,
                           "delta: out has dtype torch.int8"),
         "apply-anchor-dtype": (lambda m: m.apply_(torch.empty(7), p, torch.empty(7, dtype=f16)), T,
-                               "apply_: anchor has dtype torch.float16 but params[0] has torch.float32"),
+                               "apply_: anchor has dtype torch.float16 "
+                               "but params[0] has torch.float32"),
         "apply-anchor-size": (lambda m: m.apply_(torch.empty(7, dtype=f32), p, torch.empty(6)), V,
                               "apply_: anchor has 6 elements"),
     }
@@ -500,9 +509,9 @@ def test_error_type_and_message(name):
     assert str(got.value).startswith(msg), str(got.value)
 
 
-@pytest.mark.parametrize("name", ["flatten-size", "flatten-2d", "flatten-strided", "flatten-int-out",
-                                  "unflatten-size", "delta-anchor-size", "delta-out-size",
-                                  "apply-anchor-dtype", "apply-anchor-size"])
+@pytest.mark.parametrize("name", ["flatten-size", "flatten-2d", "flatten-strided",
+                                  "flatten-int-out", "unflatten-size", "delta-anchor-size",
+                                  "delta-out-size", "apply-anchor-dtype", "apply-anchor-size"])
 def test_extension_asserts_its_invariants(name):
     """Unvalidated calls into the binding fail loudly instead of writing out of bounds."""
     call = _bad_calls()[name][0]
@@ -515,14 +524,16 @@ def test_extension_asserts_its_invariants(name):
 def test_routing():
     m = _ext.load_extension()
     assert ops.backend() == ("extension" if m is not None else "fallback")
-    f32, f16, f64 = torch.ones(3), torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.float64)
+    f32, f16, f64 = (torch.ones(3), torch.ones(3, dtype=torch.float16),
+                     torch.ones(3, dtype=torch.float64))
     fast = "extension" if m is not None else "foreach"
     assert ops._route([torch.empty(6)], [f32, f16]) == fast
     assert ops._route([torch.empty(6, dtype=torch.bfloat16)], [f32.t(), f16]) == fast
     assert ops._route([torch.empty(6)], [f32, f64]) == "foreach"  # float64: never the extension
     assert ops._route([torch.empty(3, dtype=torch.float64)], [f32]) == "foreach"
     assert ops._route([torch.empty(3)], [torch.nn.Parameter(f32)]) == fast
-    assert ops._route([torch.empty(6)], [f32, f16.as_subclass(_Sub)]) == "reference"  # a tensor subclass
+    # a tensor subclass
+    assert ops._route([torch.empty(6)], [f32, f16.as_subclass(_Sub)]) == "reference"
     meta = torch.empty(3, device="meta")
     assert ops._route([meta], [meta]) == "reference"  # no foreach kernels on meta
     if m is not None:
@@ -672,7 +683,8 @@ def test_quantize_kernels_match_reference(qext, device, bits, numel, block, piec
     base = _finite(layout.elems, seed=70).to(device)
     got = _q_run(qext, layout, x, e, base, case)
     want = _q_run(_QRef(), layout, x, e, base, case)
-    names = ["packed", "e_out", "packed aliased", "e aliased", "packed plain", "cat", "base - D", "sum"]
+    names = ["packed", "e_out", "packed aliased", "e aliased",
+             "packed plain", "cat", "base - D", "sum"]
     for name, a, b in zip(names, got, want):
         if a.dtype == torch.uint8:
             assert torch.equal(a.cpu(), b.cpu()), name
@@ -698,7 +710,8 @@ def test_quantize_reference_semantics():
     assert torch.equal(e_out[4:], torch.zeros(4))  # an all-zero block: scale 0, no NaN
     assert_bits(ops.dequantize_blocks(packed, layout, torch.empty(8)),
                 torch.cat([q * s, torch.zeros(4)]), "dequantize")
-    assert_bits(ops.dequantize_blocks(packed, layout, torch.empty(4), sum_pieces=True), q * s, "sum")
+    assert_bits(ops.dequantize_blocks(packed, layout, torch.empty(4), sum_pieces=True),
+                q * s, "sum")
 
 
 def test_quantize_float64_and_routing(monkeypatch):
@@ -719,6 +732,7 @@ def _bad_quant_calls():
     L = ops.QuantLayout.for_bucket(10, 1, 4, 8)
     pk = torch.zeros(L.total_bytes, dtype=torch.uint8)
     V, T = ValueError, TypeError
+    f64 = torch.float64
     return {
         "x-dtype": (lambda: ops.quantize_blocks(torch.zeros(10, dtype=torch.half), pk, L), T,
                     "quantize_blocks: x has dtype torch.float16; expected float32 or float64"),
@@ -728,11 +742,13 @@ def _bad_quant_calls():
                         "quantize_blocks: packed has 23 bytes but the layout needs 24"),
         "packed-dtype": (lambda: ops.quantize_blocks(torch.zeros(10), pk.view(torch.int8), L), T,
                          "quantize_blocks: packed has dtype torch.int8; expected uint8"),
-        "residual-size": (lambda: ops.quantize_blocks(torch.zeros(10), pk, L, residual=torch.zeros(9)),
+        "residual-size": (lambda: ops.quantize_blocks(torch.zeros(10), pk, L,
+                                                      residual=torch.zeros(9)),
                           V, "quantize_blocks: residual has 9 elements but x has 10"),
         "residual-dtype": (lambda: ops.quantize_blocks(torch.zeros(10), pk, L,
-                                                       residual_out=torch.zeros(10, dtype=torch.float64)),
-                           T, "quantize_blocks: residual_out has dtype torch.float64; expected float32"),
+                                                       residual_out=torch.zeros(10, dtype=f64)),
+                           T, "quantize_blocks: residual_out has dtype torch.float64; "
+                              "expected float32"),
         "layout": (lambda: ops.quantize_blocks(torch.zeros(10), pk, (8, 4)), T,
                    "quantize_blocks: layout must be a QuantLayout, got tuple"),
         "out-size": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(13)), V,
@@ -762,6 +778,7 @@ def test_quantize_binding_refuses_bad_layouts():
     with pytest.raises(RuntimeError, match="bad layout"):  # odd block
         m.quantize_blocks(x, None, torch.zeros(20, dtype=torch.uint8), None, 8, 3, 1, 12, 20)
     with pytest.raises(RuntimeError, match="bad layout"):  # more values than the payload holds
-        m.dequantize_blocks(torch.zeros(32, dtype=torch.uint8), None, torch.zeros(13), 8, 4, 1, 12, 32, False)
+        m.dequantize_blocks(torch.zeros(32, dtype=torch.uint8), None, torch.zeros(13),
+                            8, 4, 1, 12, 32, False)
     with pytest.raises(RuntimeError):
         m.quantize_blocks(x.double(), None, pk, None, 8, 4, 1, 12, 24)

@@ -19,8 +19,8 @@ STEPS, CKPT_AT = 10, 4  # rounds after steps 2, 5, 8 (warm-up 2, period 3)
 def _setup(wrapped: bool):
     ddp = DDP(make_model())
     inner = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, dah.hooks.HalfDeltaState(),
-                                         period=3, warmup_steps=2)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook,
+                                         dah.hooks.HalfDeltaState(), period=3, warmup_steps=2)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     opt = dah.AveragingOptimizer(inner, handle) if wrapped else inner
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
@@ -75,7 +75,8 @@ def test_wrapper_equals_the_handle_by_hand_schedules_lr_and_resumes_from_its_sta
         for case in ("wrapped", "resumed"):
             assert torch.equal(r[case][0], params), case  # bit for bit
             assert r[case][1] == lrs, case
-    assert not torch.equal(ranks[0]["by_hand"][0], ranks[1]["by_hand"][0])  # local steps since step 8
+    # local steps since step 8
+    assert not torch.equal(ranks[0]["by_hand"][0], ranks[1]["by_hand"][0])
 
 
 # --- without peers ----------------------------------------------------------------------

@@ -27,7 +27,8 @@ def make_model_like(vector: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _train(rank, hook, state, steps, *, momentum=0.0, ckpt_at=None):
-    """Local SGD with ``hook``; with ``ckpt_at``, stop there, save everything, rebuild and resume."""
+    """Local SGD with ``hook``; with ``ckpt_at``, stop there, save everything, rebuild and
+    resume."""
     def build():
         ddp = DDP(make_model())
         opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=momentum)
@@ -72,13 +73,16 @@ def _rank_outer(rank, world_size):
         "sgd_lr1": _train(rank, outer(allreduce), _outer(lr=1.0, momentum=0.0), STEPS)[0],
     }
     params, rounds, state = _train(rank, outer(allreduce), _outer(), STEPS)  # DiLoCo defaults
-    out.update(diloco=params, rounds=rounds, momentum=state["buckets"][0]["state"][0]["momentum_buffer"])
-    out["fp16"] = _train(rank, outer(dah.hooks.fp16_compress_hook), _outer(dah.hooks.HalfDeltaState),
-                         STEPS)[0]
+    out.update(diloco=params, rounds=rounds,
+               momentum=state["buckets"][0]["state"][0]["momentum_buffer"])
+    out["fp16"] = _train(rank, outer(dah.hooks.fp16_compress_hook),
+                         _outer(dah.hooks.HalfDeltaState), STEPS)[0]
     out["powersgd"] = _train(rank, outer(dah.hooks.powersgd_hook), _outer(psgd), STEPS)[0]
-    # checkpoint mid-period (step 5, between the rounds of steps 3 and 6), Adam outer and inner momentum
+    # checkpoint mid-period (step 5, between the rounds of steps 3 and 6), Adam outer and inner
+    # momentum
     adam = _outer(psgd, optimizer=torch.optim.Adam, lr=0.3)
-    out["resume_straight"] = _train(rank, outer(dah.hooks.powersgd_hook), adam, STEPS, momentum=0.9)[0]
+    out["resume_straight"] = _train(rank, outer(dah.hooks.powersgd_hook), adam, STEPS,
+                                    momentum=0.9)[0]
     out["resume_ckpt"] = _train(rank, outer(dah.hooks.powersgd_hook), adam, STEPS, momentum=0.9,
                                 ckpt_at=5)[0]
     return out
@@ -115,7 +119,8 @@ def _reference(world_size, steps):
             anchor = anchor - OUTER_LR * (g + OUTER_MOMENTUM * buf)  # Nesterov
             for m in replicas:
                 load(m, anchor)
-    return {"plain": [flat(m) for m in plain], "diloco": [flat(m) for m in replicas], "momentum": buf}
+    return {"plain": [flat(m) for m in plain], "diloco": [flat(m) for m in replicas],
+            "momentum": buf}
 
 
 def test_outer_optimizer_on_two_ranks_matches_plain_averaging_and_the_reference():

@@ -64,7 +64,8 @@ def test_overlap_equals_blocking_without_progress_and_keeps_progress_exactly():
         for i, (launch, now, after) in enumerate(zip(res["launch"], res["now"], res["after"])):
             mean = torch.stack([results[q]["launch"][i] for q in range(ws)]).mean(0)
             assert torch.equal(after, now + (mean - launch)), (r, i)
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["anchors"][0], results[1]["anchors"][0]))
+    assert all(torch.equal(a, b)
+               for a, b in zip(results[0]["anchors"][0], results[1]["anchors"][0]))
 
 
 def _rank_overlap_training(rank, world_size, steps):

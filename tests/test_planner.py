@@ -13,7 +13,8 @@ from ddp_avg_hooks.schedules import ConstantPeriod, EverySeconds, PostLocalPerio
 def _formula(step: int, warmup: int, period: int, k: int) -> int | None:
     """The fragment averaged at ``step``: ``s >= warmup and (s - warmup - f * period // K)
     % period == 0``."""
-    due = [f for f in range(k) if step >= warmup and (step - warmup - f * period // k) % period == 0]
+    due = [f for f in range(k)
+           if step >= warmup and (step - warmup - f * period // k) % period == 0]
     assert len(due) <= 1
     return due[0] if due else None
 

@@ -41,8 +41,8 @@ def _round(state, buckets: list[ParamBucket]) -> int:
     """
     other = torch.full((7,), float(dist.get_rank() + 1))
     futs = []
-    done = run_round(powersgd_hook, state, buckets,
-                     between=lambda: futs.append(dist.all_reduce(other, async_op=True).get_future()))
+    issue_other = lambda: futs.append(dist.all_reduce(other, async_op=True).get_future())
+    done = run_round(powersgd_hook, state, buckets, between=issue_other)
     ws = dist.get_world_size()
     assert torch.equal(futs[0].wait()[0], torch.full((7,), ws * (ws + 1) / 2))
     return done.bytes_sent
@@ -78,7 +78,8 @@ def _rounds_on_ranks(rank, *, approx_rank, min_rate, rounds, zero_first):
     params = _params()
     buckets = assign_buckets(params, CAP_MB, keep_anchor=True)
     assert len(buckets) == 2
-    state = PowerSGDState(matrix_approximation_rank=approx_rank, min_compression_rate=min_rate, seed=7)
+    state = PowerSGDState(matrix_approximation_rank=approx_rank, min_compression_rate=min_rate,
+                          seed=7)
     calls = []
     real_all_reduce = dist.all_reduce
 

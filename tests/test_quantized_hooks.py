@@ -26,6 +26,9 @@ from ddp_avg_hooks.rounds import run_round
 from _dist import run_ranks
 from _helpers import flat as _flat
 
+# module-scoped runs serve several tests: one worker runs them all, early
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_quantized_hooks")]
+
 HOOKS = {8: int8_compress_hook, 4: int4_compress_hook}
 QMAX = {8: 127, 4: 7}
 K_SLACK = 1 + 2.0**-14  # the docstring's k
@@ -174,7 +177,8 @@ def four():
 def _bucket_slices():
     sizes = [math.prod(s) for s in SHAPES]
     ends = np.cumsum([sizes[0] + sizes[1], sizes[2], sizes[3]])
-    return [slice(int(e - n), int(e)) for e, n in zip(ends, [sizes[0] + sizes[1], sizes[2], sizes[3]])]
+    return [slice(int(e - n), int(e))
+            for e, n in zip(ends, [sizes[0] + sizes[1], sizes[2], sizes[3]])]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -269,7 +273,8 @@ def test_one_round_within_stated_bound(four, bits):
             bound = _np_round_bound(anchor[sl], [p[sl] for p in pre],
                                     [np.zeros(sl.stop - sl.start)] * g, bits)
             err = np.abs(got[sl] - exact[sl])
-            fp32 = 2.0**-23 * np.abs(exact[sl]) + 1e-6 * (1 + 4.0 * g) * np.abs(anchor[sl] - exact[sl])
+            fp32 = (2.0**-23 * np.abs(exact[sl])
+                    + 1e-6 * (1 + 4.0 * g) * np.abs(anchor[sl] - exact[sl]))
             assert (err <= bound + fp32).all(), (g, float((err - bound).max()))
             assert err.max() > 0.05 * bound.max()  # and the bound is not vacuous
 
@@ -416,7 +421,8 @@ def test_error_feedback_keeps_both_roundings(two, name, bits):
     for ef in (True, False):
         for k in (LONG // 2, LONG):
             w0, w1 = (r["long"][(name, bits, ef)][k][0].numpy() for r in two)
-            assert np.array_equal(w0, w1) and np.array_equal(w0, ref[ef][k][0])  # the reference, bit for bit
+            assert np.array_equal(w0, w1)
+            assert np.array_equal(w0, ref[ef][k][0])  # the reference, bit for bit
             drift[ef, k] = np.abs(w0 - exact[k])
     # with error feedback: params = exact trajectory + the ranks' residuals, whatever the round
     for k in (LONG // 2, LONG):
@@ -464,7 +470,8 @@ def test_registration_with_overlap(two):
 
 # --- one process -------------------------------------------------------------------------------
 def test_validation_messages():
-    with pytest.raises(TypeError, match="int8_compress_hook: state must be None .* or a QuantizedDeltaState"):
+    with pytest.raises(TypeError,
+                       match="int8_compress_hook: state must be None .* or a QuantizedDeltaState"):
         dah.hook_spec(int8_compress_hook).validate(3)
     with pytest.raises(TypeError, match="int4_compress_hook: state must be None"):
         dah.hook_spec(int4_compress_hook).validate("x")
@@ -478,7 +485,8 @@ def test_validation_messages():
         QuantizedDeltaState(process_group="world")
     dah.hook_spec(int8_compress_hook).validate(None)
     dah.hook_spec(int4_compress_hook).validate(QuantizedDeltaState())
-    assert dah.hook_spec(int8_compress_hook).needs_anchor and dah.hook_spec(int4_compress_hook).needs_anchor
+    assert dah.hook_spec(int8_compress_hook).needs_anchor
+    assert dah.hook_spec(int4_compress_hook).needs_anchor
 
 
 def test_state_dict_round_trip_and_mismatch(world1):
@@ -496,7 +504,8 @@ def test_state_dict_round_trip_and_mismatch(world1):
     with pytest.raises(ValueError, match="block_size=16, this state 128"):
         QuantizedDeltaState().load_state_dict(saved)
     import pickle
-    assert torch.equal(pickle.loads(pickle.dumps(state)).state_dict()["residuals"][0], saved["residuals"][0])
+    restored = pickle.loads(pickle.dumps(state))
+    assert torch.equal(restored.state_dict()["residuals"][0], saved["residuals"][0])
 
 
 @pytest.mark.parametrize("hook", [int8_compress_hook, int4_compress_hook])

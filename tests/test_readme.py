@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,6 +22,7 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+@pytest.mark.slow
 def test_readme_training_example_runs_under_torchrun(tmp_path):
     program = tmp_path / "train.py"
     program.write_text(_python_blocks()[0])

@@ -189,7 +189,8 @@ def _rank_mixed(rank, world_size):
     model = Mixed()
     ddp = DDP(model)
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
-    layout = [(p.data_ptr(), p.stride(), p.dtype, p.is_contiguous(memory_format=torch.channels_last))
+    layout = [(p.data_ptr(), p.stride(), p.dtype,
+               p.is_contiguous(memory_format=torch.channels_last))
               for p in model.parameters()]
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
@@ -326,5 +327,6 @@ def _rank_missing_registration(rank, world_size):
 
 
 def test_a_rank_that_never_registers_gives_an_error_not_a_hang():
-    messages = run_ranks(_rank_missing_registration, 2, timeout_s=60, pg_timeout_s=3, hard_exit=True)
+    messages = run_ranks(_rank_missing_registration, 2, timeout_s=60, pg_timeout_s=3,
+                         hard_exit=True)
     assert "did every rank of the group register" in messages[0]

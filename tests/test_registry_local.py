@@ -38,7 +38,8 @@ def test_buckets_keep_order_group_by_dtype_and_respect_cap():
     ]
     cap_mb = 2000 / 2**20
     buckets = assign_buckets(ps, cap_mb)
-    groups = [[next(i for i, q in enumerate(ps) if q is p) for p in b.parameters()] for b in buckets]
+    groups = [[next(i for i, q in enumerate(ps) if q is p) for p in b.parameters()]
+              for b in buckets]
     assert groups == [[0, 2], [1, 4], [3]]
     assert [b.index() for b in buckets] == [0, 1, 2]
     assert [b.is_last() for b in buckets] == [False, False, True]

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from _dist import run_ranks
-from _helpers import batch as _batch, make_model as _make_model, params_of, train_step as _train_step
+from _helpers import (batch as _batch, make_model as _make_model, params_of,
+                      train_step as _train_step)
 
 LR = 0.05
 
@@ -178,6 +179,7 @@ def test_a_dead_or_silent_peer_gives_an_error_within_the_timeout(mode, tmp_path)
     survivor = results[0]
     assert survivor["error"] is not None, "the survivor should have raised"
     assert "bucket 0 of 1" in survivor["error"] and "round 2" in survivor["error"]
+    assert "Likely cause: a peer rank died" in survivor["error"]
     assert survivor["step"] == 5
     assert survivor["seconds"] < pg_timeout + 5
 
@@ -309,7 +311,8 @@ def _rank_properties(rank, world_size, examples):
             assert averaged == (step >= warmup and (step - warmup) % period == 0)
             for i, p in enumerate(module):
                 mean = (i + step) % 5 + (world_size - 1) / 2 if averaged else (i + step) % 5 + rank
-                assert torch.equal(p.detach(), torch.full(p.shape, mean * world_size, dtype=p.dtype))
+                assert torch.equal(p.detach(),
+                                   torch.full(p.shape, mean * world_size, dtype=p.dtype))
         assert ptrs == [p.data_ptr() for p in module]
         assert all(b.numel() * b.buffer().element_size() <= cap_bytes or len(b.parameters()) == 1
                    for b in handle.buckets)
@@ -349,6 +352,7 @@ def _rank_long_run(rank, world_size, steps):
     return {"rss": rss, "rounds": handle.stats.rounds}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
 def test_ten_thousand_steps_do_not_grow_resident_memory():
     steps = 10_000

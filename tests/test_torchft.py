@@ -19,7 +19,11 @@ import urllib.request
 import pytest
 import torch
 
-pytest.importorskip("torchft", reason="torchft is not installed (pip install 'ddp_avg_hooks[peers]')")
+# module-scoped runs serve several tests: one worker runs them all, early
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_torchft")]
+
+pytest.importorskip("torchft",
+                    reason="torchft is not installed (pip install 'ddp_avg_hooks[peers]')")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_torchft_worker.py")

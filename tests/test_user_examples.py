@@ -16,7 +16,8 @@ def _torchrun(script: str, nproc: int, *args: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(nproc), os.path.join(EXAMPLES, script), *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"{script} exited with {r.returncode}:\n{r.stdout}\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, (f"{script} exited with {r.returncode}:\n"
+                               f"{r.stdout}\n{r.stderr[-4000:]}")
     return r.stdout
 
 
@@ -42,6 +43,7 @@ EXPECT = {
     ("diloco.py", 2, ()),
     ("hierarchical.py", 4, ("--ranks-per-node", "2")),
 ])
+@pytest.mark.slow
 def test_example_trains_and_replicas_agree(script, nproc, args):
     out = _torchrun(script, nproc, *args)
     assert "replicas agreed after every round" in out, out

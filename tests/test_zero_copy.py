@@ -14,7 +14,8 @@ from _helpers import flat, make_model, train_step
 HOOKS = {
     "allreduce": lambda: (dah.hooks.allreduce_hook, None),
     "fp16": lambda: (dah.hooks.fp16_compress_hook, None),
-    "powersgd": lambda: (dah.hooks.powersgd_hook, dah.hooks.PowerSGDState(matrix_approximation_rank=2)),
+    "powersgd": lambda: (dah.hooks.powersgd_hook,
+                         dah.hooks.PowerSGDState(matrix_approximation_rank=2)),
 }
 
 

@@ -1,4 +1,5 @@
-"""Local SGD with Accelerate: ``LocalSGD`` as in ``accelerate.local_sgd``, with this library's hooks.
+"""Local SGD with Accelerate: ``LocalSGD`` as in ``accelerate.local_sgd``, with this library's
+hooks.
 
     torchrun --nproc-per-node 2 examples/integrations/accelerate_local_sgd.py
 

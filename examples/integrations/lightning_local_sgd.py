@@ -20,7 +20,8 @@ class Regression(L.LightningModule):
     def __init__(self, lr=0.05, momentum=0.9):
         super().__init__()
         torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                       torch.nn.Linear(32, 1))
         self.lr, self.momentum = lr, momentum
 
     def training_step(self, batch, _):
