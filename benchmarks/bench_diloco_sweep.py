@@ -138,7 +138,8 @@ def main(argv=None) -> int:
             + " | ".join(f"loss @ {s}" for s in sw.checkpoints)
             + " | reaches target at step | MB to target | x fewer bytes than DDP |",
             "|" + "---|" * (6 + len(sw.checkpoints))]
-    cmd = "python benchmarks/bench_diloco_sweep.py" + "".join(f" {x}" for x in (argv or sys.argv[1:]))
+    cmd = "python benchmarks/bench_diloco_sweep.py" + "".join(
+        f" {x}" for x in (argv or sys.argv[1:]))
     took = f"{(time.time() - t0) / 60:.1f} min" + (
         f"; {len(a.reused)} of {len(ddp) + len(others)} runs reused from --runs-dir, made by "
         "the same train.py arguments" if a.reused else "")
@@ -146,7 +147,8 @@ def main(argv=None) -> int:
     md = [f"Command: `{cmd}` ({took}). Loopback, 2 ranks, ~1M-parameter "
           f"`bench` preset, AdamW with a 20-step warm-up then constant; period {sw.period}; DDP "
           f"{sw.ddp_steps} steps, the others {sw.steps}; validation every {a.eval_every} steps. "
-          f"Target = {what}: **{target:.3f}** (`{best}`, {ddp_bytes / 1e6:.0f} MB to reach it).", "",
+          f"Target = {what}: **{target:.3f}** (`{best}`, {ddp_bytes / 1e6:.0f} MB to reach "
+          "it).", "",
           *head, *rows(ddp, target, ddp_bytes, sw.checkpoints),
           *rows(others, target, ddp_bytes, sw.checkpoints)]
     report.write_section(a.results_md, "\n".join(md), title=sw.section)

@@ -66,7 +66,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--scenarios", default="worker,node")
     p.add_argument("--profile", default="1gbit", choices=sorted(netns.PROFILES))
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "failures.json"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                 "failures.json"))
     a = p.parse_args()
     if a.steps < 33:
         p.error("--steps must be >= 33: the kills fall before step 15 and in round 7's save")

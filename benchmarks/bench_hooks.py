@@ -39,8 +39,10 @@ HOOKS = {
     "allreduce_hook": (dah.hooks.allreduce_hook, lambda: None),
     "fp16_compress_hook": (dah.hooks.fp16_compress_hook, lambda: None),
     "bf16_compress_hook": (dah.hooks.bf16_compress_hook, lambda: None),
-    "powersgd_hook r=1": (dah.hooks.powersgd_hook, lambda: dah.hooks.PowerSGDState(matrix_approximation_rank=1)),
-    "powersgd_hook r=4": (dah.hooks.powersgd_hook, lambda: dah.hooks.PowerSGDState(matrix_approximation_rank=4)),
+    "powersgd_hook r=1": (dah.hooks.powersgd_hook,
+                          lambda: dah.hooks.PowerSGDState(matrix_approximation_rank=1)),
+    "powersgd_hook r=4": (dah.hooks.powersgd_hook,
+                          lambda: dah.hooks.PowerSGDState(matrix_approximation_rank=4)),
 }
 
 
@@ -59,7 +61,8 @@ def _timeit(fn, n: int, group=None) -> float:
 
 def _rank_main(rank: int, world_size: int, port: int, args, out_path: str) -> None:
     torch.set_num_threads(args.threads)
-    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                          timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=300))
     try:
@@ -98,11 +101,12 @@ def _rank_main(rank: int, world_size: int, port: int, args, out_path: str) -> No
             rel_err = float((flat - exact).norm() / moved)
             rounds_before, bytes_before = handle.stats.rounds, handle.stats.bytes_sent
 
-            def one_round() -> None:
+            def one_round(handle=handle) -> None:
                 perturb()
                 handle.average()
 
-            t = statistics.median(_timeit(one_round, args.n) for _ in range(args.repeat)) - t_perturb
+            t = statistics.median(_timeit(one_round, args.n)
+                                  for _ in range(args.repeat)) - t_perturb
             rounds = handle.stats.rounds - rounds_before
             per_round = (handle.stats.bytes_sent - bytes_before) // rounds
             rows.append((name, per_round, t, rel_err, len(handle.buckets)))
@@ -123,13 +127,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("-n", type=int, default=5, help="timed rounds per hook (after warm-up)")
-    ap.add_argument("--repeat", type=int, default=3, help="timings per hook; the median is reported")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timings per hook; the median is reported")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=3500)
     args = ap.parse_args()
-    store = dist.TCPStore("127.0.0.1", 0, args.world_size + 1, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, args.world_size + 1, is_master=True,
+                          wait_for_workers=False)
     out_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bench_hooks_{os.getpid()}.pt")
     mp.start_processes(_rank_main, args=(args.world_size, store.port, args, out_path),
                        nprocs=args.world_size, join=True, start_method="spawn")
@@ -153,7 +159,8 @@ def main() -> None:
             even = "always"
         else:
             even = f"below {saved * 8 / extra / 1e9:.2f} Gbit/s"
-        print(f"{name:20s} bytes/round/rank {nbytes / 2**20:8.2f} MiB ({ref_bytes / nbytes:6.1f}x less)  "
+        print(f"{name:20s} bytes/round/rank {nbytes / 2**20:8.2f} MiB "
+              f"({ref_bytes / nbytes:6.1f}x less)  "
               f"round {t * 1e3:8.1f} ms ({t / ref_t:5.2f}x of allreduce)  pays off: {even:22s}  "
               f"|new - exact| / |exact - old| {rel_err:.2e}")
 

@@ -29,8 +29,8 @@ import subprocess
 import sys
 
 VARIANTS = ["none", "allreduce", "zero_copy", "fp16", "fp16_f32_residual", "fp16_no_ef", "bf16",
-            "fp16_offload", "powersgd", "diloco", "diloco_fp16_offload", "overlap", "torch_periodic",
-            "torchft_diloco"]
+            "fp16_offload", "powersgd", "diloco", "diloco_fp16_offload", "overlap",
+            "torch_periodic", "torchft_diloco"]
 
 
 def _rss() -> int:
@@ -111,7 +111,8 @@ def _one(variant: str, mb: float, device: str = "cpu") -> dict:
         elif peer is not None:
             assert peer.after_step(), "torchft's DiLoCo did not sync"
     gc.collect()
-    out = {"variant": variant, "model_mb": model_bytes / 2**20, "rss_extra": (_rss() - base) / model_bytes}
+    out = {"variant": variant, "model_mb": model_bytes / 2**20,
+           "rss_extra": (_rss() - base) / model_bytes}
     if cuda:
         torch.cuda.synchronize()
         out["device_peak_extra"] = (torch.cuda.max_memory_allocated() - steps_peak) / model_bytes

@@ -128,7 +128,8 @@ def main() -> None:
     quant_cases = quantization_cases(C, g, n, dev)
 
     def tiers(call: str) -> list[tuple[str, str]]:
-        return [(v, f"{m}.{call}") for v, m in (("ext", "C"), ("foreach", "FE"), ("reference", "F"))]
+        return [(v, f"{m}.{call}")
+                for v, m in (("ext", "C"), ("foreach", "FE"), ("reference", "F"))]
 
     # (case, bytes moved per element, [(variant, stmt)])
     cases = [
@@ -146,7 +147,8 @@ def main() -> None:
         ("apply f32->params+anchor", 12, tiers("apply_(src32, targets, flat32)")),
         # the half hooks' two passes: error feedback into fp16 with a bf16 residual, and
         # the averaged fp16 change written into the parameters and the anchor
-        ("feedback f32->f16+bf16 *s", 14, tiers("feedback_cast(anchor32, ps, residual16, flat16, ws)")),
+        ("feedback f32->f16+bf16 *s", 14,
+         tiers("feedback_cast(anchor32, ps, residual16, flat16, ws)")),
         ("apply_delta f16->params+anchor", 14, tiers("apply_delta_(anchor_ad, wire16, targets)")),
     ] + quant_cases
 
@@ -156,7 +158,8 @@ def main() -> None:
     else:
         name = f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cpus"
         thread_counts = [int(t) for t in args.threads.split(",")]
-    print(f"torch {torch.__version__} | device {dev} ({name}) | threads {args.threads if not dev.startswith('cuda') else '-'} "
+    threads_shown = args.threads if not dev.startswith('cuda') else '-'
+    print(f"torch {torch.__version__} | device {dev} ({name}) | threads {threads_shown} "
           f"| params {n / 1e6:.1f}M in {len(ps)} tensors | median of blocked_autorange")
 
     def time_stmt(stmt: str, threads: int) -> float:
@@ -180,7 +183,8 @@ def main() -> None:
 
 
 def quantization_cases(C, g: dict, n: int, dev: str) -> list:
-    """The int8/int4 hooks' fused ops vs the reference, checked first; adds their tensors to ``g``."""
+    """The int8/int4 hooks' fused ops vs the reference, checked first; adds their tensors
+    to ``g``."""
     g.update(C=C, Qz=Qz)
     delta = torch.randn(n, device=dev).mul_(1e-3)
     cases = []
@@ -210,13 +214,16 @@ def quantization_cases(C, g: dict, n: int, dev: str) -> list:
                 g[f"{k}_e"].copy_(delta.mul(1e-3))
                 exec(stmt, g)
                 got.append([g[o].clone() for o in outs])
-            assert all(torch.equal(a, b) for a, b in zip(*got)), f"{name} int{bits}: ext != reference"
+            assert all(torch.equal(a, b) for a, b in zip(*got)), \
+                f"{name} int{bits}: ext != reference"
         ext_sum = summed[0].split("; ")[1]  # time the dequantize only (the payload is filled)
         b = bits / 8
         cases += [
-            (f"quantize f32+e -> int{bits}", 12 + b + 4 / 128, [("ext", quant[0]), ("reference", quant[1])]),
+            (f"quantize f32+e -> int{bits}", 12 + b + 4 / 128,
+             [("ext", quant[0]), ("reference", quant[1])]),
             (f"dequantize int{bits} -> a-D", 8 + b, [("ext", deq[0]), ("reference", deq[1])]),
-            (f"sum 4 pieces int{bits}", (4 * b + 4) / 4, [("ext", ext_sum), ("reference", summed[1])]),
+            (f"sum 4 pieces int{bits}", (4 * b + 4) / 4,
+             [("ext", ext_sum), ("reference", summed[1])]),
         ]
     return cases
 

@@ -2,12 +2,12 @@
 
 ``overlap=True`` applies a round as ``params + (average - params_at_launch)`` when it
 arrives, so each rank keeps the progress it made meanwhile; ``mixing=alpha`` applies it
-as ``alpha * params + (1 - alpha) * average`` instead (Streaming DiLoCo's merge). How late it arrives is set
-here with ``train.py --round-delay`` (the hook's future completes that many seconds after
-the call: a slow link without network namespaces; the loss does not depend on anything
-else about the link). Grid: periods 8 and 32, delays 0 to ~one period of steps, against
-blocking rounds at the same period and no communication at all; 2 ranks, the ~1M-parameter
-``bench`` preset, AdamW lr 1e-3, 400 steps.
+as ``alpha * params + (1 - alpha) * average`` instead (Streaming DiLoCo's merge). How late
+it arrives is set here with ``train.py --round-delay`` (the hook's future completes that
+many seconds after the call: a slow link without network namespaces; the loss does not
+depend on anything else about the link). Grid: periods 8 and 32, delays 0 to ~one period
+of steps, against blocking rounds at the same period and no communication at all; 2 ranks,
+the ~1M-parameter ``bench`` preset, AdamW lr 1e-3, 400 steps.
 
 Outputs ``benchmarks/results/overlap_staleness.json`` and the section "Overlap staleness"
 of ``benchmarks/RESULTS.md``. About 6 minutes on 2 cores.
@@ -49,10 +49,12 @@ def main(argv=None) -> int:
         name = f"{hook}_p{period}_d{delay:g}" + (f"_m{mixing:g}" if mixing is not None else "")
         args = ["--preset", "bench", "--steps", str(STEPS), "--eval-every", "40", "--lr", LR,
                 "--progress", "off", "--hook", hook, "--period", str(period),
-                "--round-delay", str(delay)] + (["--mixing", str(mixing)] if mixing is not None else [])
+                "--round-delay", str(delay)]
+        args += ["--mixing", str(mixing)] if mixing is not None else []
         runs[name] = launch.run_training(args, os.path.join(a.runs_dir, name), timeout_s=a.timeout)
         print(f"{name}: val {runs[name]['evals'][-1]['val_loss']:.3f}", file=sys.stderr, flush=True)
-    blocking = {r["config"]["period"]: r for r in runs.values() if r["config"]["hook"] == "allreduce"}
+    blocking = {r["config"]["period"]: r for r in runs.values()
+                if r["config"]["hook"] == "allreduce"}
     lines = ["| variant | mixing | period | round delay s | median step ms | delay in steps | "
              "loss @ 200 | loss @ 400 | vs blocking, same period |", "|" + "---|" * 9]
     for name, run in runs.items():
@@ -69,13 +71,14 @@ def main(argv=None) -> int:
             "n/a" if ref is None else
             f"{100 * (final - ref['evals'][-1]['val_loss']) / ref['evals'][-1]['val_loss']:+.1f}%"])
             + " |")
-    cmd = "python benchmarks/bench_overlap_staleness.py" + "".join(f" {x}" for x in (argv or sys.argv[1:]))
+    cmd = "python benchmarks/bench_overlap_staleness.py" + "".join(
+        f" {x}" for x in (argv or sys.argv[1:]))
     typical_ms = statistics.median(r["summary"]["median_step_s"] for r in runs.values()) * 1e3
-    md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, ~1M-parameter "
-          f"`bench` preset, AdamW lr {LR}, {STEPS} steps; a round's result arrives `--round-delay` "
-          f"seconds after launch (median step ~{typical_ms:.0f} ms, so 0.4 s is about 8 steps: what "
-          "one exact round of this model takes at 100 Mbit/s). Validation loss of the ranks' "
-          "average model.", "", *lines]
+    md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
+          f"~1M-parameter `bench` preset, AdamW lr {LR}, {STEPS} steps; a round's result "
+          f"arrives `--round-delay` seconds after launch (median step ~{typical_ms:.0f} ms, so "
+          "0.4 s is about 8 steps: what one exact round of this model takes at 100 Mbit/s). "
+          "Validation loss of the ranks' average model.", "", *lines]
     report.write_section(a.results_md, "\n".join(md), title=SECTION)
     with open(os.path.join(HERE, "results", "overlap_staleness.json"), "w") as f:
         json.dump(dict(command=cmd, runs={n: dict(config=r["config"], summary=r["summary"],

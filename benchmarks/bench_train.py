@@ -10,10 +10,10 @@ Python stdlib source) for every variant, under every profile, in this one invoca
   ``bf16``, ``powersgd``); local SGD at ``--period``. DiLoCo at period 32: ours
   (``diloco``, ``diloco_fp16``, ``diloco_streaming``) and torchft's (``torchft_diloco``,
   ``torchft_streaming_diloco``). A peer whose package is not installed is reported as not run.
-- profiles: ``loopback``; ``1gbit``, ``100mbit`` and ``25mbit`` as two torchrun "nodes" in two network
-  namespaces joined by a veth pair shaped with ``tc tbf`` (a fresh pair per run, torn down
-  on exit even on failure). Without root or ``ip netns`` it says so and runs loopback only.
-  This kernel has no ``netem``: no delay is applied, and the output says so.
+- profiles: ``loopback``; ``1gbit``, ``100mbit`` and ``25mbit`` as two torchrun "nodes" in
+  two network namespaces joined by a veth pair shaped with ``tc tbf`` (a fresh pair per run,
+  torn down on exit even on failure). Without root or ``ip netns`` it says so and runs
+  loopback only. This kernel has no ``netem``: no delay is applied, and the output says so.
 - budget: DDP (run first) and ``none`` run ``--steps``; every other variant runs at least
   that and at most twice that, stopping at the first validation at or below DDP's final
   validation loss (the target).
@@ -52,8 +52,8 @@ import time
 import torch
 
 from harness import launch, netns, report, uneven
-from harness.timed_loop import TIMED
 from harness.train import split_available
+from harness.variants import TIMED, names_of
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -71,7 +71,7 @@ DILOCO_PERIOD = 32
 HIERARCHICAL = "hierarchical"
 BUDGET_1X = {"none", "ddp"}
 # rounds every --round-seconds (not in the default run; see --uneven)
-TIMED_VARIANTS = list(TIMED)
+TIMED_VARIANTS = names_of(TIMED)
 
 
 def _columnar(run: dict) -> dict:
@@ -102,12 +102,14 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3,
                    help="(inner) AdamW learning rate of every variant but DiLoCo's")
     p.add_argument("--diloco-lr", type=float, default=3e-4,
-                   help="DiLoCo's inner learning rate (its outer Nesterov step is up to 7x a round's)")
+                   help="DiLoCo's inner learning rate (its outer Nesterov step is up to 7x a "
+                        "round's)")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     p.add_argument("--out", default=RESULTS,
-                   help="JSON and plot; a sub-folder of results/ adds a part to the RESULTS.md section")
+                   help="JSON and plot; a sub-folder of results/ adds a part to the RESULTS.md "
+                        "section")
     p.add_argument("--title", default="Main run: ~1M-parameter model, three profiles")
     p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "bench_train"),
                    help="per-run metrics.json and launch.log (not committed)")
@@ -262,8 +264,9 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
                     for r in runs.values() if r["config"].get("ops_backend")), "n/a")
     header = (f"torch {torch.__version__} | cpu ({os.cpu_count()} cores, {platform.machine()}) | "
               f"world_size {cfg['world_size']} | float32 | {cfg['n_params'] / 1e6:.2f}M-param char "
-              f"transformer (d={cfg['d_model']}, layers={cfg['n_layers']}, context={cfg['context']}), "
-              f"batch {cfg['batch_size']}/rank | budget {a.steps} steps (others up to {2 * a.steps}) | "
+              f"transformer (d={cfg['d_model']}, layers={cfg['n_layers']}, "
+              f"context={cfg['context']}), batch {cfg['batch_size']}/rank | budget {a.steps} "
+              f"steps (others up to {2 * a.steps}) | "
               f"period {cfg['period']}, warm-up {cfg['warmup']} | AdamW lr {cfg['lr']:g}"
               f"{_diloco_header(all_runs)} | ops backend {backend}")
     rows_by_profile = {prof: _with_round_bytes(report.summarize(runs), runs)
@@ -271,36 +274,41 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
     png = report.plot({f"{p}: {network_of[p]}" if p != "loopback" else p: r
                        for p, r in all_runs.items()}, os.path.join(a.out, "train.png"),
                       title=header.split(" | ops")[0])
-    cmd = "python benchmarks/bench_train.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    cmd = "python benchmarks/bench_train.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:])
     elapsed = getattr(a, "elapsed_s", None) or time.time() - t_start
     summary = dict(header=header, command=cmd.strip(), notes=notes, elapsed_s=elapsed,
-                   loadavg_start=load_start, loadavg_end=getattr(a, "loadavg_end", None) or os.getloadavg(),
+                   loadavg_start=load_start,
+                   loadavg_end=getattr(a, "loadavg_end", None) or os.getloadavg(),
                    networks=network_of, rows=rows_by_profile)
     with open(os.path.join(a.out, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
 
-    md = [f"### {a.title}", "", f"Command: `{summary['command']}` ({elapsed / 60:.1f} min; load average "
+    md = [f"### {a.title}", "",
+          f"Command: `{summary['command']}` ({elapsed / 60:.1f} min; load average "
           f"{load_start[0]:.1f} at start, {summary['loadavg_end'][0]:.1f} at end: the 2 cores are "
           "shared, so absolute times vary between runs; compare within a table).", "",
           f"`{header}`", ""]
     md += [f"- {n}" for n in notes]
-    md += ["", "Definitions: target = DDP's validation loss at the end of its budget; time to target = "
-           "training wall-clock (validation excluded, but not the wait for the other ranks as it begins) at the first validation point at or below it, "
+    md += ["", "Definitions: target = DDP's validation loss at the end of its budget; time to "
+           "target = training wall-clock (validation excluded, but not the wait for the other "
+           "ranks as it begins) at the first validation point at or below it, "
            "'not reached' within twice the budget otherwise; validation is of the ranks' average "
            "model; MB/step = bytes rank 0 handed to collectives per step (wire MB/step: the veth "
            "device's kernel counter, TCP/IP overhead included); comm wait = share of step time "
            "waiting on communication (gradient all-reduces, and the averaging call of every step: "
-           "its rounds, their deferred phases and late write-backs; not the wait for the other ranks "
-           "as a validation begins, which is idle time of uneven ranks, in the training time "
+           "its rounds, their deferred phases and late write-backs; not the wait for the other "
+           "ranks as a validation begins, which is idle time of uneven ranks, in the training time "
            "and the idle share); local step / none = median step that sent nothing over "
            "the median step of `none`; MB to target = bytes rank 0 handed to collectives up to the "
            "first validation at or below the target. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():
-        md += [f"#### {prof}: {network_of[prof]}", "", report.markdown_table(rows, report.BENCH_COLUMNS), ""]
+        md += [f"#### {prof}: {network_of[prof]}", "",
+               report.markdown_table(rows, report.BENCH_COLUMNS), ""]
         if "+" in prof:  # uneven workers: per-rank steps, compute and idle time
             md += ["Uneven workers: compute = step time minus time waiting on communication "
-                   "(gradient-sync waits, averaging rounds, the wait for the other ranks as a validation "
-                   "begins); overhead = (mean step - mean "
+                   "(gradient-sync waits, averaging rounds, the wait for the other ranks as a "
+                   "validation begins); overhead = (mean step - mean "
                    "compute) / mean compute; idle share = each rank's waiting time over its "
                    "training time (rank 0 / rank 1 ...).", "",
                    report.markdown_table(uneven.rows(all_runs[prof]), uneven.COLUMNS), ""]
@@ -381,7 +389,8 @@ def _speed_targets(rows: list[dict], prof: str) -> list[str]:
     if not reached:
         return [f"Targets ({prof}): none of our hooks reached DDP's loss within twice its budget."]
     best = min(reached, key=lambda r: r["time_to_target_s"])
-    vs_ddp, vs_torch, gap = best.get("ttt_speedup_vs_ddp"), best.get("ttt_speedup_vs_torch"), best.get("gap_pct")
+    vs_ddp, vs_torch = best.get("ttt_speedup_vs_ddp"), best.get("ttt_speedup_vs_torch")
+    gap = best.get("gap_pct")
     f = lambda v, s: "n/a" if v is None else format(v, s)  # noqa: E731
     if vs_torch is not None:
         torch_part = (f"{vs_torch:.2f}x sooner than PyTorch's PeriodicModelAverager (target >= "
@@ -426,7 +435,8 @@ def _overlap_diloco_targets(rows: list[dict], prof: str) -> list[str]:
     if savings:
         best = max(savings, key=savings.get)
         out.append(f"- Bytes to DDP's target ({prof}): fewest with `{best}`, {savings[best]:.1f}x "
-                   f"fewer than DDP (target >= 100x: {'met' if savings[best] >= 100 else 'not met'}).")
+                   f"fewer than DDP (target >= 100x: "
+                   f"{'met' if savings[best] >= 100 else 'not met'}).")
     flat, hier = by.get("allreduce"), by.get(HIERARCHICAL)
     if flat and hier:
         f = lambda v, spec: "n/a" if v is None else format(v, spec)  # noqa: E731
@@ -436,10 +446,11 @@ def _overlap_diloco_targets(rows: list[dict], prof: str) -> list[str]:
             f"period; time to target {f(hier.get('time_to_target_s'), '.1f')} s vs "
             f"{f(flat.get('time_to_target_s'), '.1f')} s; wire MB/step (what crosses the "
             f"nodes' link) {f(hier.get('wire_mb_per_step'), '.3f')} vs "
-            f"{f(flat.get('wire_mb_per_step'), '.3f')}; bytes of the global rounds over the run (each "
-            f"stops at the target) {f(hier.get('global_round_mb'), '.1f')} MB "
-            f"vs {f(flat.get('global_round_mb'), '.1f')} MB, plus {f(hier.get('node_round_mb'), '.1f')} "
-            "MB of node rounds that stay inside the nodes (counted in its MB/step and MB to target).")
+            f"{f(flat.get('wire_mb_per_step'), '.3f')}; bytes of the global rounds over the run "
+            f"(each stops at the target) {f(hier.get('global_round_mb'), '.1f')} MB "
+            f"vs {f(flat.get('global_round_mb'), '.1f')} MB, plus "
+            f"{f(hier.get('node_round_mb'), '.1f')} MB of node rounds that stay inside the nodes "
+            "(counted in its MB/step and MB to target).")
     return out
 
 

@@ -64,14 +64,15 @@ def main(argv=None) -> int:
     shapes = sorted({tuple(q.shape) for _, q in matrices})
     lines = [f"Energy kept by the best rank-r approximation (mean over {len(matrices)} weight "
              f"matrices of shapes {shapes}, {a.steps} AdamW steps at lr {a.lr}, period {a.period})",
-             "", "| r | " + " | ".join(str(r) for r in RANKS) + " |", "|---" * (len(RANKS) + 1) + "|"]
+             "", "| r | " + " | ".join(str(r) for r in RANKS) + " |",
+             "|---" * (len(RANKS) + 1) + "|"]
     for kind in summary:
         lines.append(f"| {a.period}-step delta |" if kind == "delta" else "| one gradient |")
         lines[-1] += " " + " | ".join(f"{summary[kind][r]:.3f}" for r in RANKS) + " |"
     print("\n".join(lines))
     with open(a.out, "w") as f:
-        json.dump(dict(command="python benchmarks/study_powersgd.py", args=vars(a), summary=summary),
-                  f, indent=1)
+        json.dump(dict(command="python benchmarks/study_powersgd.py", args=vars(a),
+                       summary=summary), f, indent=1)
     return 0
 
 

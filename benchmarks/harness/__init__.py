@@ -1,4 +1,5 @@
-"""The benchmark harness: ``train.py`` (a torchrun program), ``launch``, ``netns``, ``report``, ``demo``.
+"""The benchmark harness: ``train.py`` (a torchrun program), ``launch``, ``netns``, ``report``,
+``demo``.
 
 Not part of the installed library. Scripts in ``benchmarks/`` import it as ``harness``
 (``python benchmarks/bench_x.py`` puts ``benchmarks/`` on ``sys.path``); to run a module

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
               f"it; speedup = DDP's time to it / the variant's")
     parts = []
     for v, r in runs.items():
-        wall, tr, ev = r["launch"]["wall_s"], r["summary"]["train_s"], r["summary"].get("eval_s", 0.0)
+        wall, tr = r["launch"]["wall_s"], r["summary"]["train_s"]
+        ev = r["summary"].get("eval_s", 0.0)
         parts.append(f"{v} {wall:.0f} s ({tr:.1f} / {ev:.1f} / {wall - tr - ev:.1f})")
     print("wall-clock per run (training / validation / start-up, rendezvous and exit): "
           + ", ".join(parts))
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
         print("not run: " + "; ".join(skipped))
     with open(os.path.join(a.out, "demo.json"), "w") as f:
         json.dump(dict(header=header, rows=rows, skipped=skipped, budget_s=budget), f, indent=1)
-    print(f"plot: {png or 'not written (matplotlib missing)'}; metrics: {a.out}/<variant>/metrics.json")
+    print(f"plot: {png or 'not written (matplotlib missing)'}; "
+          f"metrics: {a.out}/<variant>/metrics.json")
     print(f"demo took {time.perf_counter() - t_start:.0f} s")
     return 0
 

@@ -144,7 +144,8 @@ def run_scenario(run_dir: str, kills: list[Kill] = (), *, pair: NetnsPair | None
             if any(c not in (None, 0) for c in codes):
                 raise LaunchError(f"torchrun exited with {codes}\n" + _logs_tail(run, len(jobs)))
             if time.monotonic() > deadline:
-                raise LaunchError(f"not finished in {timeout_s:.0f} s\n" + _logs_tail(run, len(jobs)))
+                raise LaunchError(f"not finished in {timeout_s:.0f} s\n"
+                                  + _logs_tail(run, len(jobs)))
             time.sleep(0.02)
         if any(codes) or pending:
             raise LaunchError(f"exit codes {codes}; kills not reached: {pending}\n"
@@ -187,7 +188,8 @@ def _parents() -> dict[int, int]:
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                with open(f"/proc/{d}/stat") as f:  # "pid (comm) state ppid ...": comm may hold spaces
+                # "pid (comm) state ppid ...": comm may hold spaces
+                with open(f"/proc/{d}/stat") as f:
                     out[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
                 pass
@@ -282,7 +284,8 @@ def table(rows: list[dict]) -> str:
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for k in r["kills"]:
-            where = f"before step {k['at']}" if k["kind"] == "step" else f"in save of round {k['at']}"
+            where = (f"before step {k['at']}" if k["kind"] == "step"
+                     else f"in save of round {k['at']}")
             out.append(f"| {r['scenario']} | rank {k['rank']} ({k['target']}) | {where} "
                        f"| {k['restored_round']} | {k['steps_redone']} | {k['resume_s']:.1f} "
                        f"| {k['next_round_s']:.1f} | {'yes' if r['equal'] else 'NO'} |")

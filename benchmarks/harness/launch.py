@@ -122,7 +122,8 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
             for j, (argv, extra) in enumerate(jobs):  # stream: node 0's stderr only (rank 0's bar)
                 procs.append(subprocess.Popen(
                     argv, env=_env(extra), stdout=logf,
-                    stderr=None if stream and j == 0 else subprocess.STDOUT, start_new_session=True))
+                    stderr=None if stream and j == 0 else subprocess.STDOUT,
+                    start_new_session=True))
             deadline = time.monotonic() + timeout_s
             while any([p.poll() is None for p in procs]):  # a list: poll every process
                 if time.monotonic() > deadline:
@@ -158,17 +159,20 @@ def _tail(path: str, n: int = 30) -> str:
 
 
 def main(argv=None) -> int:
-    """``PYTHONPATH=benchmarks python -m harness.launch [--profile 100mbit] [--record F] -- TRAIN ARGS``
+    """Two torchrun nodes: ``PYTHONPATH=benchmarks python -m harness.launch
+    [--profile 100mbit] [--record F] -- TRAIN ARGS``.
 
     Runs the training script as two torchrun nodes in two network namespaces, printing
     the exact command of each node and the outcome.
     """
     import argparse
     from . import netns
-    p = argparse.ArgumentParser(description="train.py as two torchrun nodes in two network namespaces")
+    p = argparse.ArgumentParser(
+        description="train.py as two torchrun nodes in two network namespaces")
     p.add_argument("--profile", default="100mbit", choices=sorted(netns.PROFILES))
     p.add_argument("--out", default=os.path.join("out", "two_node"))
-    p.add_argument("--record", default=None, help="also write the commands and outcome to this JSON")
+    p.add_argument("--record", default=None,
+                   help="also write the commands and outcome to this JSON")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("train_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
@@ -182,7 +186,8 @@ def main(argv=None) -> int:
         prof = netns.Profile("veth", rate_mbit=None)
     with netns.NetnsPair(prof) as pair:
         print(f"network: {pair.describe()}")
-        for argv_, extra in two_node_commands(pair, [*train_args, "--out", a.out], rdzv_id="two-node-demo"):
+        for argv_, extra in two_node_commands(pair, [*train_args, "--out", a.out],
+                                              rdzv_id="two-node-demo"):
             print("$ " + shell_line(argv_, extra))
         t0 = time.perf_counter()
         try:
@@ -198,7 +203,8 @@ def main(argv=None) -> int:
     if a.record:
         with open(a.record, "w") as f:
             json.dump(dict(network=pair.describe(), train_args=train_args,
-                           commands=r["launch"]["commands"] if r else None, outcome=outcome), f, indent=1)
+                           commands=r["launch"]["commands"] if r else None, outcome=outcome),
+                      f, indent=1)
     return 0 if outcome["ok"] else 1
 
 

@@ -39,7 +39,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 __all__ = ["Profile", "PROFILES", "NetnsPair", "netns_available", "teardown_all",
            "cleanup_stale", "measure_throughput"]
@@ -337,7 +336,8 @@ s.shutdown(socket.SHUT_WR); s.recv(1); print(sent / (time.perf_counter() - t), f
 
 def measure_throughput(pair: NetnsPair, nbytes: int = 4 << 20, port: int = 5201) -> float:
     """Send ``nbytes`` from namespace a to b over TCP; returns bytes per second."""
-    sink = subprocess.Popen(pair.exec_prefix(1) + [sys.executable, "-c", _SINK, pair.addr[1], str(port)],
+    sink = subprocess.Popen(pair.exec_prefix(1) + [sys.executable, "-c", _SINK, pair.addr[1],
+                                                   str(port)],
                             stdout=subprocess.PIPE, text=True)
     try:
         if sink.stdout.readline().strip() != "ready":
@@ -353,7 +353,8 @@ def measure_throughput(pair: NetnsPair, nbytes: int = 4 << 20, port: int = 5201)
         sink.wait()
 
 
-if __name__ == "__main__":  # PYTHONPATH=benchmarks python -m harness.netns [profile]: measure a link
+# PYTHONPATH=benchmarks python -m harness.netns [profile]: measure a link
+if __name__ == "__main__":
     ok, why = netns_available()
     print(why)
     if ok:

@@ -39,10 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# variant -> modules it imports
-NEEDS = {"torchft_diloco": ("torchft", "torchft.local_sgd"),
-         "torchft_streaming_diloco": ("torchft", "torchft.local_sgd"),
-         "accelerate_localsgd": ("accelerate", "accelerate.local_sgd")}
+if __package__:
+    from .variants import VARIANTS
+else:  # run by train.py as a script: this folder is sys.path[0]
+    from variants import VARIANTS
+
 INSTALL = "pip install 'ddp_avg_hooks[peers]'"
 
 
@@ -56,12 +57,13 @@ def lighthouse_binary() -> str | None:
 
 def missing(name: str) -> str | None:
     """Why variant ``name`` cannot run here, or ``None`` when it can."""
-    for mod in NEEDS[name]:
+    spec = VARIANTS[name]
+    for mod in spec.needs:
         try:
             importlib.import_module(mod)
         except Exception as exc:  # an ImportError, or a broken build failing on import
             return f"needs {mod} ({type(exc).__name__}: {exc}); {INSTALL}"
-    if name.startswith("torchft") and lighthouse_binary() is None:
+    if spec.library == "torchft" and lighthouse_binary() is None:
         return f"the torchft_lighthouse binary is not next to {sys.executable} nor on PATH"
     return None
 

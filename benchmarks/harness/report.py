@@ -111,7 +111,8 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
                    comm_share=comm_wait(s),
                    speedup=(base_step / s["mean_step_s"]) if base_step else None)
         local = s.get("median_local_step_s")
-        row["local_overhead"] = (local / none_step) if local and none_step and name != none else None
+        row["local_overhead"] = ((local / none_step) if local and none_step and name != none
+                                 else None)
         if base is not None:
             at = loss_at_step(run, budget)
             row["val_at_budget"] = at
@@ -179,10 +180,12 @@ DEMO_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
                 ("time/step ms", "mean_step_ms", ".1f"), ("MB/step", "mb_per_step", ".3f")]
 
 BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
-                 ("median step ms", "median_step_ms", ".1f"), ("mean step ms", "mean_step_ms", ".1f"),
+                 ("median step ms", "median_step_ms", ".1f"),
+                 ("mean step ms", "mean_step_ms", ".1f"),
                  ("MB/step", "mb_per_step", ".3f"), ("wire MB/step", "wire_mb_per_step", ".3f"),
                  ("comm wait", "comm_share", ".0%"), ("local step / none", "local_overhead", ".2f"),
-                 ("val loss @ DDP budget", "val_at_budget", ".3f"), ("gap vs DDP", "gap_pct", "+.1f"),
+                 ("val loss @ DDP budget", "val_at_budget", ".3f"),
+                 ("gap vs DDP", "gap_pct", "+.1f"),
                  ("time to target s", "time_to_target_s", ".1f"),
                  ("x faster than DDP", "ttt_speedup_vs_ddp", ".2f"),
                  ("x faster than torch local SGD", "ttt_speedup_vs_torch", ".2f"),
@@ -195,8 +198,9 @@ def markdown_table(rows: list[dict], columns=DEMO_COLUMNS) -> str:
 
     >>> cols = [("variant", "variant", "s"), ("time to target s", "time_to_target_s", ".1f"),
     ...         ("MB/step", "mb_per_step", ".3f")]
-    >>> print(markdown_table([{"variant": "ddp", "time_to_target_s": 2.0, "mb_per_step": 1.0},
-    ...                       {"variant": "x", "time_to_target_s": None, "mb_per_step": None}], cols))
+    >>> rows = [{"variant": "ddp", "time_to_target_s": 2.0, "mb_per_step": 1.0},
+    ...         {"variant": "x", "time_to_target_s": None, "mb_per_step": None}]
+    >>> print(markdown_table(rows, cols))
     | variant | time to target s | MB/step |
     |---|---|---|
     | ddp | 2.0 | 1.000 |

@@ -12,7 +12,8 @@ Run::
 
 and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
 
-``--hook`` picks a variant from :data:`VARIANTS`:
+``--hook`` picks a variant, one record each in :data:`variants.VARIANTS` (``variants.py``
+next to this file), listed here in its order:
 
 - ``none``: no communication at all, every rank trains alone (the physical limit);
 - ``ddp``, ``ddp_fp16``, ``ddp_bf16``, ``ddp_powersgd``: DDP with PyTorch's gradient comm
@@ -23,14 +24,15 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
   ``local_sgd.DiLoCo`` under its fault-tolerant ``Manager``, whole model or
   ``--fragments`` fragments, with the ``diloco`` variant's outer optimizer (see
   ``peers.py`` next to this file; unavailable without the package);
-- ``allreduce``, ``fp16``, ``bf16``, ``powersgd``: ours,
+- ``allreduce``, ``fp16``, ``bf16``, ``powersgd``, ``powersgd_r32`` (rank 32): ours,
   ``ddp_avg_hooks.register_averaging_hook`` with that hook plus
   ``grad_hooks.local_sgd_grad_hook`` (gradients stay local after ``--warmup``);
 - ``allreduce_overlap``, ``fp16_overlap``: the same with ``overlap=True`` (a round's
-  bytes travel while training goes on);
-- ``hierarchical``: exact rounds inside each node (torchrun's ``LOCAL_WORLD_SIZE`` ranks)
-  every ``--intra-period`` steps, and across all ranks every ``--period``
-  (``hierarchy.node_groups``, two registrations on one model);
+  bytes travel while training goes on; ``--mixing`` applies);
+- ``int8``, ``int4``: blockwise 8- and 4-bit deltas with error feedback;
+- ``fp16_streaming``, ``int8_streaming``, ``int4_streaming``: ``--fragments`` fragments
+  taking turns, overlapped with training (Streaming DiLoCo's schedule without the outer
+  optimizer); ``int8_streaming_half_period``: the same at half of ``--period``;
 - ``diloco``, ``diloco_fp16``: ``hooks.outer_optimizer(allreduce_hook)`` (resp.
   ``fp16_compress_hook``), an outer Nesterov SGD over the averaged change (DiLoCo's
   defaults, ``--outer-lr`` / ``--outer-momentum``; use a longer ``--period``, e.g. 32, and
@@ -38,6 +40,16 @@ and unchanged on many nodes (``torchrun --nnodes N --rdzv-backend c10d ...``).
   ``outer_lr / (1 - momentum)``, 7 with the defaults); ``diloco_streaming``: the
   ``diloco`` variant with ``fragments=--fragments`` (Streaming DiLoCo);
   ``diloco_int4``, ``diloco_int4_streaming``: the same two over ``int4_compress_hook``.
+  DiLoCo's rounds block, as in the paper (and torchft): none of these overlaps;
+- ``hierarchical``: exact rounds inside each node (torchrun's ``LOCAL_WORLD_SIZE`` ranks)
+  every ``--intra-period`` steps, and across all ranks every ``--period``
+  (``hierarchy.node_groups``, two registrations on one model);
+- ``allreduce_timed``, ``fp16_timed``, ``allreduce_timed_equal``, ``fp16_timed_overlap``,
+  ``fp16_timed_equal_overlap``: rounds every ``--round-seconds`` on each rank's clock
+  (``schedules.EverySeconds``, ranks weighted by their steps or equally; the last two
+  overlapped), in the loop of ``timed_loop.py``: ranks take different step counts.
+
+``--round-delay S``: each round of our hooks completes ``S`` seconds late (:func:`delayed_hook`).
 
 Rank 0 writes ``<out>/metrics.json``: the config, one record per step (training loss,
 step seconds, bytes this rank handed to collectives, seconds waiting on communication,
@@ -72,15 +84,13 @@ for parameter averaging it is the wall time of the (blocking) averaging call.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
 import glob
+import importlib
 import inspect
-import json
 import os
-import statistics
 import sys
 import sysconfig
 import threading
@@ -91,6 +101,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+if __package__:
+    from . import records, variants
+else:  # run as a script: this folder is sys.path[0]
+    import records
+    import variants
+
+VARIANTS = variants.VARIANTS
 
 # ------------------------------------------------------------------------------ data
 
@@ -267,7 +285,6 @@ def _peers():
 
 def _sibling(name: str):
     """A module next to this file (``uneven``, ``timed_loop``), imported on demand."""
-    import importlib
     return importlib.import_module(f".{name}", __package__) if __package__ else \
         importlib.import_module(name)
 
@@ -297,60 +314,31 @@ def _outer_state(dah, args):
     return dah.hooks.OuterOptimizerState(None, lr=args.outer_lr, momentum=args.outer_momentum)
 
 
-# name -> (dah hook attribute, state factory); validated before the process group starts
-OURS = {
-    "allreduce": ("allreduce_hook", lambda dah, args: None),
-    "fp16": ("fp16_compress_hook", lambda dah, args: None),
-    "bf16": ("bf16_compress_hook", lambda dah, args: None),
-    "powersgd": ("powersgd_hook", _powersgd_state),
-    # rank 32: keeps ~98% of an 8-step AdamW delta's energy (study_powersgd.py) vs ~86% at 4
-    "powersgd_r32": ("powersgd_hook", lambda dah, args: _powersgd_state(dah, args, rank=32)),
-    # rounds overlapped with training, and a DiLoCo-style outer optimizer
-    "allreduce_overlap": ("allreduce_hook", lambda dah, args: None),
-    "fp16_overlap": ("fp16_compress_hook", lambda dah, args: None),
-    # blockwise 8- and 4-bit deltas with error feedback
-    "int8": ("int8_compress_hook", lambda dah, args: None),
-    "int4": ("int4_compress_hook", lambda dah, args: None),
-    # --fragments fragments taking turns, overlapped with training (Streaming DiLoCo's
-    # schedule without the outer optimizer)
-    "fp16_streaming": ("fp16_compress_hook", lambda dah, args: None),
-    "int8_streaming": ("int8_compress_hook", lambda dah, args: None),
-    "int4_streaming": ("int4_compress_hook", lambda dah, args: None),
-    # the same at half of --period (a fragment round at every step with --fragments 4):
-    # shorter rounds of fewer bytes buy loss per step
-    "int8_streaming_half_period": ("int8_compress_hook", lambda dah, args: None),
-    "diloco": ("outer_optimizer", _outer_state),
-    "diloco_fp16": ("outer_optimizer", _outer_state),
-    "diloco_streaming": ("outer_optimizer", _outer_state),
-    # DiLoCo over blockwise 4-bit rounds, whole model or --fragments fragments
-    "diloco_int4": ("outer_optimizer", _outer_state),
-    "diloco_int4_streaming": ("outer_optimizer", _outer_state),
-    # exact rounds inside each node every --intra-period steps, across all every --period
-    "hierarchical": ("allreduce_hook", lambda dah, args: None),
-}
-# rounds every --round-seconds on each rank's clock (schedules.EverySeconds), in the loop
-# of timed_loop.py: ranks take different step counts
-TIMED = set(_sibling("timed_loop").TIMED)
-OURS.update({name: (hook, lambda dah, args: None)
-              for name, (hook, _) in _sibling("timed_loop").TIMED.items()})
-# the averaging hook each DiLoCo variant wraps in hooks.outer_optimizer
-DILOCO_INNER = {"diloco": "allreduce_hook", "diloco_fp16": "fp16_compress_hook",
-                "diloco_streaming": "allreduce_hook", "diloco_int4": "int4_compress_hook",
-                "diloco_int4_streaming": "int4_compress_hook"}
-TORCH_GRAD_HOOKS = {"ddp": "allreduce_hook", "ddp_fp16": "fp16_compress_hook",
-                    "ddp_bf16": "bf16_compress_hook", "ddp_powersgd": "powerSGD_hook"}
-# other libraries' local SGD (harness/peers.py): optional, unavailable without the package
-PEERS = ["accelerate_localsgd", "torchft_diloco", "torchft_streaming_diloco"]
-VARIANTS = ["none", *TORCH_GRAD_HOOKS, "torch_localsgd", *PEERS, *OURS]
+def _our_state(dah, spec: variants.VariantSpec, args):
+    """The state ``spec.state`` names, for our hooks."""
+    if spec.state == "powersgd":
+        return _powersgd_state(dah, args, rank=spec.powersgd_rank)
+    if spec.state == "outer":
+        return _outer_state(dah, args)
+    return None
+
+
+def _torch_comm_hook(path: str):
+    """``"module.hook"`` of ``torch.distributed.algorithms.ddp_comm_hooks``, e.g.
+    ``"default_hooks.allreduce_hook"``."""
+    module, attr = path.rsplit(".", 1)
+    return getattr(importlib.import_module(
+        f"torch.distributed.algorithms.ddp_comm_hooks.{module}"), attr)
 
 
 def check_available(name: str) -> None:
     """Raise :class:`HookUnavailable` with a clear message if ``--hook name`` cannot run."""
-    if name not in VARIANTS:
+    spec = VARIANTS.get(name)
+    if spec is None:
         raise HookUnavailable(f"--hook {name}: unknown; choose one of {', '.join(VARIANTS)}")
-    if name in OURS:
-        _need_dah(OURS[name][0], name)
-    if name in PEERS:
+    if spec.ours:
+        _need_dah(spec.hook, name)
+    if spec.family == variants.PEER:
         why = _peers().missing(name)
         if why:
             raise HookUnavailable(f"--hook {name}: {why}")
@@ -393,33 +381,35 @@ def delayed_hook(hook, seconds: float):
 
 
 def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
+    """Wrap ``model`` (DDP, hooks, a peer library) as the record of ``--hook name`` says."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as psgd
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-    if name == "none":
+    spec = VARIANTS[name]
+    if spec.family == variants.NONE:
         return Variant(name, model, model)
-    if name.startswith("torchft_"):  # one replica group per rank: no DDP inside it
+    if spec.library == "torchft":  # one replica group per rank: no DDP inside it
         def count(n: int) -> None:
             meter.bytes += n
         peer = _peers().TorchftDiLoCo(model, opt, args, count_bytes=count,
-                                      fragments=args.fragments if "streaming" in name else 1)
+                                      fragments=args.fragments if spec.fragments else 1)
         _CLOSE.append(peer.close)
         return Variant(name, model, model, peer.after_step, take_comm_s=peer.take_comm_s)
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb)
-    if name == "accelerate_localsgd":
+    if spec.library == "accelerate":
         peer = _peers().AccelerateLocalSGD(ddp, args)
         _CLOSE.append(peer.close)
         return Variant(name, ddp, model, peer.after_step)
-    if name in TORCH_GRAD_HOOKS:
-        if name == "ddp_powersgd":
-            state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                       start_powerSGD_iter=2, min_compression_rate=2, random_seed=args.seed)
-            hook = psgd.powerSGD_hook
-        else:
-            state, hook = None, getattr(default_hooks, TORCH_GRAD_HOOKS[name])
-        ddp.register_comm_hook(state, meter.timed(hook))
+    if spec.family == variants.TORCH_DDP:
+        state = None
+        if spec.state == "powersgd":
+            state = psgd.PowerSGDState(process_group=None,
+                                       matrix_approximation_rank=args.powersgd_rank,
+                                       start_powerSGD_iter=2, min_compression_rate=2,
+                                       random_seed=args.seed)
+        ddp.register_comm_hook(state, meter.timed(_torch_comm_hook(spec.hook)))
         return Variant(name, ddp, model)
-    if name == "torch_localsgd":
+    if spec.family == variants.TORCH_LOCALSGD:
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pls
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
         state = pls.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD,
@@ -436,33 +426,35 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
             assert averager.step == before + 1
             return averaged
         return Variant(name, ddp, model, after_step)
-    attr, make_state = OURS[name]
-    dah, hook = _need_dah(attr, name)
-    if name in DILOCO_INNER:  # outer Nesterov SGD over an averaging hook
-        hook = hook(getattr(dah.hooks, DILOCO_INNER[name]))
+    dah, hook = _need_dah(spec.hook, name)
+    if spec.inner_hook is not None:  # an outer optimizer over an averaging hook
+        hook = hook(getattr(dah.hooks, spec.inner_hook))
     if args.round_delay > 0:
         hook = delayed_hook(hook, args.round_delay)
     node_handle = None
-    if name == "hierarchical":  # the node rounds register first: they run first at shared steps
+    # the node rounds register first: they run first at shared steps
+    if spec.family == variants.HIERARCHICAL:
         per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         groups = dah.hierarchy.node_groups(per_node, cross=False)
         node_handle = dah.register_averaging_hook(ddp, hook, groups.intra,
                                                   period=args.intra_period,
                                                   warmup_steps=args.warmup,
                                                   bucket_cap_mb=args.bucket_cap_mb)
-    period = _sibling("timed_loop").schedule(dah, name, args) if name in TIMED else args.period
-    kind = name
-    if name.endswith("_half_period"):
-        kind, period = name.removesuffix("_half_period"), max(1, args.period // 2)
-    # DiLoCo's rounds block, as in the paper (and torchft); the other fragment variants overlap
-    overlap = kind.endswith(("_overlap", "_streaming")) and not kind.startswith("diloco")
-    handle = dah.register_averaging_hook(ddp, hook, make_state(dah, args), period=period,
+    if spec.family == variants.TIMED:
+        period = _sibling("timed_loop").schedule(dah, spec, args)
+    elif spec.period_divisor > 1:
+        period = max(1, args.period // spec.period_divisor)
+    else:
+        period = args.period
+    options = {}
+    if spec.overlap and args.mixing is not None:
+        options["mixing"] = args.mixing
+    if spec.fragments:
+        options["fragments"] = args.fragments
+    handle = dah.register_averaging_hook(ddp, hook, _our_state(dah, spec, args), period=period,
                                          warmup_steps=args.warmup,
-                                         bucket_cap_mb=args.bucket_cap_mb, overlap=overlap,
-                                         **({"mixing": args.mixing}
-                                            if overlap and args.mixing is not None else {}),
-                                         **({"fragments": args.fragments}
-                                            if kind.endswith("_streaming") else {}))
+                                         bucket_cap_mb=args.bucket_cap_mb, overlap=spec.overlap,
+                                         **options)
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
     if node_handle is None:
         return Variant(name, ddp, model, handle.step, handle)
@@ -487,12 +479,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="folder for metrics.json (rank 0)")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     for k in ("d_model", "n_layers", "n_heads", "context", "batch_size"):
-        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"overrides --preset")
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
+                       help="overrides --preset")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--lr-warmup", type=int, default=20, help="linear learning-rate warm-up steps")
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco: outer SGD learning rate")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco: outer Nesterov momentum")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="diloco: outer Nesterov momentum")
     p.add_argument("--fragments", type=int, default=4,
                    help="diloco_streaming, torchft_streaming_diloco: fragments taking turns "
                         "(each averaged once per --period)")
@@ -517,7 +511,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=None, help="use only the first N bytes")
     p.add_argument("--timeout", type=float, default=300, help="process-group timeout, seconds")
     p.add_argument("--mixing", type=float, default=None,
-                   help="*_overlap: apply a late round as mixing * params + (1 - mixing) * averaged")
+                   help="*_overlap: apply a late round as mixing * params + (1 - mixing) * "
+                        "averaged")
     p.add_argument("--round-delay", type=float, default=0.0,
                    help="our hooks: a round's result arrives this many seconds late (a slow "
                         "link emulated on loopback, for overlap's staleness)")
@@ -564,20 +559,6 @@ class ConsensusEval:
         return evaluate(self.shadow, val, args)
 
 
-def _median_or_none(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
-
-
-def _read_wire(iface: str | None) -> int | None:
-    if not iface:
-        return None
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return None
-
-
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     try:
@@ -607,6 +588,23 @@ def main(argv=None) -> dict | None:
         dist.destroy_process_group()
 
 
+def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: float):
+    """One step's compute and averaging call, begun at ``t0``: (loss, seconds waiting on
+    gradient sync, whether it averaged, seconds of the averaging call)."""
+    x, y = batch
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(variant.model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grad_wait = meter.take_grad_wait()
+    opt.step()
+    sched.step()
+    slow.after_compute(time.perf_counter() - t0 - grad_wait)  # uneven workers: a sleep
+    ta = time.perf_counter()
+    averaged = bool(variant.after_step())
+    avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
+    return loss, grad_wait, averaged, avg_s
+
+
 def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     torch.manual_seed(args.seed)
     train_data, val_data = split(load_corpus(args.corpus_bytes), args.val_frac)
@@ -615,13 +613,14 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
+    spec = VARIANTS[args.hook]
     variant = build_variant(args.hook, model, opt, meter, args)
     ops_backend = None
-    if args.hook in OURS:  # load (or build: ~1 min) the extension now, not in round 0
+    if spec.ours:  # load (or build: ~1 min) the extension now, not in round 0
         from ddp_avg_hooks import ops
         ops_backend = ops.backend()
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank: its own data
-    consensus_eval = ConsensusEval(model, consensus=args.hook != "none")
+    consensus_eval = ConsensusEval(model, consensus=spec.family != variants.NONE)
     raw_all_reduce = dist.all_reduce
     meter.install()
     wire_if = os.environ.get("DAH_WIRE_IFACE")
@@ -651,12 +650,9 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
 
     def validate(i: int) -> None:
         nonlocal eval_s, train_s, val_wait_s
-        waited = wait_for_ranks(raw_all_reduce)
+        waited = records.wait_before_validation(steps, wait_for_ranks, raw_all_reduce)
         train_s += waited
         val_wait_s += waited
-        if steps:  # part of the step before: the records still add up to train_s
-            steps[-1]["step_s"] = round(steps[-1]["step_s"] + waited, 6)
-            steps[-1]["comm_s"] = round(steps[-1]["comm_s"] + waited, 6)
         te = time.perf_counter()
         evals.append(dict(step=i + 1, samples=(i + 1) * args.batch_size * world,
                           train_s=round(train_s, 4), bytes=total_bytes,
@@ -665,28 +661,19 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
 
     slow = _sibling("uneven").Slowdown(args, rank)  # --jitter-sigma, --slow-rank
     slow.ready()
-    if args.hook in TIMED:
+    if spec.family == variants.TIMED:
         return _sibling("timed_loop").run(args, rank, world, meter, dict(
             variant=variant, opt=opt, sched=sched, train_data=train_data, val_data=val_data,
             gen=gen, consensus_eval=consensus_eval, raw_all_reduce=raw_all_reduce, slow=slow,
-            get_batch=get_batch, read_wire=_read_wire, wire_if=wire_if, n_params=n_params,
+            get_batch=get_batch, train_step=train_step, wire_if=wire_if, n_params=n_params,
             ops_backend=ops_backend, wait_for_ranks=wait_for_ranks))
     dist.barrier()
-    wire0 = _read_wire(wire_if)
+    wire0 = records.read_wire(wire_if)
     for i in range(args.steps):
         t0 = time.perf_counter()
         b0 = meter.bytes
-        x, y = get_batch(train_data, args.batch_size, args.context, gen)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(variant.model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        grad_wait = meter.take_grad_wait()
-        opt.step()
-        sched.step()
-        slow.after_compute(time.perf_counter() - t0 - grad_wait)  # uneven workers: a sleep
-        ta = time.perf_counter()
-        averaged = bool(variant.after_step())
-        avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
+        batch = get_batch(train_data, args.batch_size, args.context, gen)
+        loss, grad_wait, averaged, avg_s = train_step(variant, opt, sched, meter, slow, batch, t0)
         flags = (0.0, 0.0)
         if control:  # inside the step's time: it is a per-step handshake the run would not have
             now = train_s + time.perf_counter() - t0
@@ -711,75 +698,40 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         if flags[0] > 0:  # the budget is spent: the final validation follows the loop
             stopped_by = "time_budget"
             break
-        if i + 1 < args.steps and (flags[1] > 0 or (args.eval_every and (i + 1) % args.eval_every == 0)):
+        due = flags[1] > 0 or (args.eval_every and (i + 1) % args.eval_every == 0)
+        if i + 1 < args.steps and due:
             validate(i)
             if args.stop_at_loss is not None and i + 1 >= args.min_steps:
                 # rank 0 decides (ranks that never communicate validate different models)
-                stop = torch.tensor([float(rank == 0 and evals[-1]["val_loss"] <= args.stop_at_loss)])
+                stop = torch.tensor(
+                    [float(rank == 0 and evals[-1]["val_loss"] <= args.stop_at_loss)])
                 raw_all_reduce(stop)  # SUM: untimed, uncounted, like validation
                 if stop.item() > 0:
                     stopped_by = "stop_at_loss"
                     break
-    wire1 = _read_wire(wire_if)
+    wire1 = records.read_wire(wire_if)
     if bar is not None:
         bar.close()
     done = len(steps)
     if not (evals and evals[-1]["step"] == done):  # unless it stopped right after one
         validate(done - 1)
     evals[-1]["final"] = True
-    stats = None
-    if variant.handle is not None:
-        s = variant.handle.stats
-        stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4))
-    if variant.node_handle is not None:  # bytes inside a node vs bytes of the global rounds
-        n = variant.node_handle.stats
-        stats["node"] = dict(rounds=n.rounds, bytes_sent=n.bytes_sent, seconds=round(n.seconds, 4))
-    meter.uninstall()
-    # every rank's view of time and bytes, for the record
-    comm_s = sum(r["comm_s"] for r in steps)
-    mine = torch.tensor([train_s, float(total_bytes), comm_s,
-                         float(len(steps)), slow.sleep_s], dtype=torch.float64)
-    all_ranks = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(all_ranks, mine)
-    if rank != 0:
+    summary = records.summarize(
+        steps, evals, rank=rank, world=world, meter=meter, slow=slow,
+        handles=(variant.handle, variant.node_handle), train_s=train_s, total_bytes=total_bytes,
+        val_wait_s=val_wait_s, wire=(wire0, wire1), stopped_by=stopped_by, eval_s=eval_s)
+    if summary is None:  # not rank 0
         return None
-    step_s = [r["step_s"] for r in steps]
-    summary = dict(
-        final_val_loss=evals[-1]["val_loss"],
-        final_train_loss=statistics.fmean(r["loss"] for r in steps[-max(1, len(steps) // 10):]),
-        median_step_s=statistics.median(step_s),
-        mean_step_s=statistics.fmean(step_s),
-        train_s=train_s,
-        bytes_per_step=total_bytes / len(steps),
-        comm_share=comm_s / max(train_s, 1e-12),
-        val_wait_s=val_wait_s,
-        median_local_step_s=_median_or_none([r["step_s"] for r in steps
-                                             if not r["averaged"] and r["bytes"] == 0]),
-        wire_bytes_per_step=None if wire0 is None or wire1 is None else (wire1 - wire0) / len(steps),
-        per_rank_train_s=[float(t[0]) for t in all_ranks],
-        per_rank_bytes=[int(t[1]) for t in all_ranks],
-        per_rank_comm_s=[float(t[2]) for t in all_ranks],
-        per_rank_steps=[int(t[3]) for t in all_ranks],
-        per_rank_sleep_s=[float(t[4]) for t in all_ranks],
-        uneven=slow.describe(),
-        handle_stats=stats,
-        stopped_by=stopped_by,
-        eval_s=eval_s,
-    )
-    result = dict(config=dict(vars(args), world_size=world, steps_done=done, n_params=n_params,
-                              torch=torch.__version__, wire_iface=wire_if, ops_backend=ops_backend,
-                              corpus=sysconfig.get_paths()["stdlib"]),
-                  summary=summary, steps=steps, evals=evals)
+    result = records.run_result(args, world=world, n_params=n_params, wire_if=wire_if,
+                                ops_backend=ops_backend, summary=summary, steps=steps,
+                                evals=evals)
     print(f"[{args.hook}] world={world} params={n_params / 1e6:.2f}M steps={done} "
-          f"val_loss={summary['final_val_loss']:.4f} median_step={summary['median_step_s'] * 1e3:.1f}ms "
+          f"val_loss={summary['final_val_loss']:.4f} "
+          f"median_step={summary['median_step_s'] * 1e3:.1f}ms "
           f"MB/step={summary['bytes_per_step'] / 1e6:.3f} comm_share={summary['comm_share']:.2f}",
           file=sys.stderr)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        tmp = os.path.join(args.out, "metrics.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, os.path.join(args.out, "metrics.json"))
+        records.write_metrics(args.out, result)
     return result
 
 

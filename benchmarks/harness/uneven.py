@@ -50,7 +50,8 @@ def wait_for_ranks(all_reduce) -> float:
 
 
 def split_profile(name: str) -> tuple[str, str | None]:
-    """``"100mbit+slow-rank"`` -> ``("100mbit", "slow-rank")``; ``"loopback"`` -> ``("loopback", None)``.
+    """``"100mbit+slow-rank"`` -> ``("100mbit", "slow-rank")``; ``"loopback"`` ->
+    ``("loopback", None)``.
 
     Modes combine: ``"loopback+jitter+slow-rank"`` -> ``("loopback", "jitter+slow-rank")``.
 
@@ -75,13 +76,15 @@ def add_args(p) -> None:
     p.add_argument("--jitter-sigma", type=float, default=0.0,
                    help="uneven workers: sleep after each step's compute so that the step takes "
                         "compute * max(1, exp(sigma z)), z ~ N(0,1) seeded per rank")
-    p.add_argument("--slow-rank", type=int, default=None, help="uneven workers: this rank is slowed")
+    p.add_argument("--slow-rank", type=int, default=None,
+                   help="uneven workers: this rank is slowed")
     p.add_argument("--slow-factor", type=float, default=SLOW_FACTOR)
     p.add_argument("--slow-cgroup", default=None,
                    help="slow-rank: the benchmark puts the rank into this cgroup (its CPU quota); "
                         "without it the rank sleeps compute * (factor - 1) per step")
     p.add_argument("--slow-cgroup-wait", type=float, default=30.0,
-                   help="seconds to wait for the move into --slow-cgroup before falling back to sleeps")
+                   help="seconds to wait for the move into --slow-cgroup before falling back "
+                        "to sleeps")
 
 
 class Slowdown:
@@ -118,7 +121,8 @@ class Slowdown:
         self.method = "sleep"
 
     def after_compute(self, compute_s: float) -> float:
-        """Sleep as the mode says after a step whose compute took ``compute_s``; returns the sleep."""
+        """Sleep as the mode says after a step whose compute took ``compute_s``; returns the
+        sleep."""
         extra = 0.0
         if self.sigma > 0:
             f = math.exp(self.sigma * self.rng.gauss(0.0, 1.0))
@@ -256,7 +260,8 @@ class CpuQuota:
         thr = self.stat.get("nr_throttled")
         t = self.stat.get("throttled_time", self.stat.get("throttled_usec", 0) * 1000)
         if thr is not None:
-            s += f", throttled in {thr} of {self.stat.get('nr_periods', 0)} periods ({t / 1e9:.1f} s)"
+            s += (f", throttled in {thr} of {self.stat.get('nr_periods', 0)} periods "
+                  f"({t / 1e9:.1f} s)")
         return s
 
     def _watch(self) -> None:
@@ -329,7 +334,8 @@ def rows(runs: dict[str, dict]) -> list[dict]:
     compute = step time minus time waiting on communication (gradient-sync waits and
     averaging rounds); overhead = (mean step - mean compute) / mean compute.
 
-    >>> s = dict(per_rank_train_s=[10.0, 10.0], per_rank_comm_s=[3.0, 1.0], per_rank_steps=[100, 60])
+    >>> s = dict(per_rank_train_s=[10.0, 10.0], per_rank_comm_s=[3.0, 1.0],
+    ...          per_rank_steps=[100, 60])
     >>> r = rows({"x": {"summary": s}})[0]
     >>> r["steps_per_rank"], round(r["mean_step_ms"], 1), round(r["mean_compute_ms"], 1)
     ('100/60', 133.3, 110.0)

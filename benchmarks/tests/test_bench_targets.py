@@ -55,7 +55,8 @@ def test_overlap_diloco_targets_from_bytes_and_step_times(bench_train):
     ]
     del runs["diloco_fp16"]["evals"][-1]  # never at or below the target
     lines = bench_train._overlap_diloco_targets(report.summarize(runs), "x")
-    assert lines[-2] == "- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: not met."
+    assert lines[-2] == ("- DiLoCo (x): `diloco_fp16` not reached within twice DDP's budget: "
+                         "not met.")
 
 
 def test_fewest_bytes_line_counts_the_diloco_4bit_and_fragment_variants_only(bench_train):

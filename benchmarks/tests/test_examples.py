@@ -1,7 +1,6 @@
 """The training example as users run it: torchrun, 2 CPU ranks, a tiny model."""
 from __future__ import annotations
 
-import json
 import os
 
 import pytest

@@ -42,7 +42,8 @@ def test_hosts_file_names_both_nodes():
             peer = pair.addr[1 - i]
             code = ("import socket\n"
                     f"print(socket.getnameinfo(({peer!r}, 1), socket.NI_NAMEREQD)[0])\n"
-                    f"print(socket.getnameinfo(('::ffff:' + {peer!r}, 1, 0, 0), socket.NI_NAMEREQD)[0])")
+                    f"print(socket.getnameinfo(('::ffff:' + {peer!r}, 1, 0, 0), "
+                    "socket.NI_NAMEREQD)[0])")
             r = subprocess.run(pair.exec_prefix(i) + [sys.executable, "-c", code],
                                capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stderr
@@ -119,7 +120,8 @@ def test_teardown_when_the_process_dies(how):
 def test_profiles_report_missing_delay():
     prof = netns.Profile("delayed", rate_mbit=100, delay_ms=5)
     with netns.NetnsPair(prof, tag="d") as pair:
-        # this kernel may lack netem: then the note says delay was not applied, and the rate still is
+        # this kernel may lack netem: then the note says delay was not applied, and the rate
+        # still is
         if pair.notes:
             assert "not applied" in pair.notes[0]
             assert "not applied" in pair.describe()

@@ -75,7 +75,8 @@ def test_missing_package_makes_a_peer_unavailable(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
     ok, why = train.split_available("torchft_diloco,none")
     assert ok == ["none"]
-    assert why[0].startswith("torchft_diloco: --hook torchft_diloco: needs torchft (ModuleNotFoundError")
+    assert why[0].startswith(
+        "torchft_diloco: --hook torchft_diloco: needs torchft (ModuleNotFoundError")
     assert "pip install 'ddp_avg_hooks[peers]'" in why[0]
 
 

@@ -8,7 +8,8 @@ from harness import report
 
 def _run(hook, steps, evals, median, mean, bytes_per_step, local=None, comm=0.0):
     return {"config": {"hook": hook, "steps": steps},
-            "summary": {"median_step_s": median, "mean_step_s": mean, "bytes_per_step": bytes_per_step,
+            "summary": {"median_step_s": median, "mean_step_s": mean,
+                        "bytes_per_step": bytes_per_step,
                         "comm_share": comm, "median_local_step_s": local,
                         "wire_bytes_per_step": None},
             "evals": [{"step": s, "train_s": t, "bytes": b, "val_loss": v} for s, t, b, v in evals]}
@@ -44,7 +45,8 @@ def test_summarize_definitions(runs):
     assert rows["ours"]["gap_pct"] == pytest.approx(2.0)
     assert rows["ours"]["local_overhead"] == pytest.approx(1.1)
     assert rows["none"]["local_overhead"] is None and rows["none"]["time_to_target_s"] is None
-    assert rows["ddp"]["mb_per_step"] == 10.0 and rows["ours"]["speedup"] == pytest.approx(0.5 / 0.15)
+    assert rows["ddp"]["mb_per_step"] == 10.0
+    assert rows["ours"]["speedup"] == pytest.approx(0.5 / 0.15)
 
 
 def test_markdown_table(runs):
@@ -108,7 +110,8 @@ def equal_time_runs():
 
 def test_summarize_equal_time(equal_time_runs):
     rows = {r["variant"]: r for r in report.summarize_equal_time(equal_time_runs)}
-    assert [r["variant"] for r in report.summarize_equal_time(equal_time_runs)] == ["ddp", "fast", "slow"]
+    assert [r["variant"] for r in report.summarize_equal_time(equal_time_runs)] == [
+        "ddp", "fast", "slow"]
     assert rows["ddp"]["time_to_target_s"] == 2.0 and rows["ddp"]["speedup"] == 1.0
     assert rows["fast"]["val_at_equal_time"] == 1.7 and rows["fast"]["steps"] == 16
     assert rows["fast"]["gap_pct"] == pytest.approx(-15.0)

@@ -1,0 +1,132 @@
+"""The ``--hook`` choices of ``train.py``: one :class:`VariantSpec` per variant.
+
+:data:`VARIANTS` maps each name to its record; ``train.build_variant`` and
+``train.check_available``, ``timed_loop.schedule`` and ``peers.missing`` read the records'
+fields, never the names.
+
+>>> VARIANTS["int8_streaming_half_period"].fragments, VARIANTS["diloco_streaming"].overlap
+(True, False)
+>>> names_of(TIMED)[:2]
+['allreduce_timed', 'fp16_timed']
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# families: what builds the variant
+NONE = "none"                      # no communication at all
+TORCH_DDP = "torch_ddp"            # DDP with one of PyTorch's gradient comm hooks
+TORCH_LOCALSGD = "torch_localsgd"  # PyTorch's post_localSGD_hook + PeriodicModelAverager
+PEER = "peer"                      # another library's local SGD (peers.py)
+OURS = "ours"                      # ddp_avg_hooks.register_averaging_hook
+HIERARCHICAL = "hierarchical"      # ours twice: rounds inside each node, and across all
+TIMED = "timed"                    # ours on schedules.EverySeconds, in timed_loop.py's loop
+FAMILIES = (NONE, TORCH_DDP, TORCH_LOCALSGD, PEER, OURS, HIERARCHICAL, TIMED)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantSpec:
+    """What one ``--hook`` choice runs.
+
+    - ``hook``: for ``TORCH_DDP``, the comm hook as ``module.attribute`` under
+      ``torch.distributed.algorithms.ddp_comm_hooks``; for our families, the attribute of
+      ``ddp_avg_hooks.hooks``;
+    - ``inner_hook``: the ``ddp_avg_hooks.hooks`` averaging hook that ``hook`` (an outer
+      optimizer) wraps;
+    - ``state``: the hook's state, built from the flags: ``"powersgd"`` (the family's
+      PowerSGD state, rank ``powersgd_rank`` or ``--powersgd-rank``), ``"outer"`` (DiLoCo's
+      outer Nesterov SGD, ``--outer-lr`` / ``--outer-momentum``), ``None``: no state;
+    - ``overlap``: rounds overlapped with training (``--mixing`` applies);
+    - ``fragments``: ``--fragments`` fragments take turns;
+    - ``period_divisor``: rounds every ``max(1, --period // period_divisor)`` steps;
+    - ``weighting``: ``TIMED``: the ``EverySeconds`` weighting (``"steps"``, ``"equal"``);
+    - ``library``, ``needs``: ``PEER``: ``"torchft"`` or ``"accelerate"``, and the modules
+      it imports.
+    """
+
+    name: str
+    family: str
+    hook: str | None = None
+    inner_hook: str | None = None
+    state: str | None = None
+    powersgd_rank: int | None = None
+    overlap: bool = False
+    fragments: bool = False
+    period_divisor: int = 1
+    weighting: str | None = None
+    library: str | None = None
+    needs: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"{self.name}: unknown family {self.family!r}")
+
+    @property
+    def ours(self) -> bool:
+        """Registered with ``ddp_avg_hooks.register_averaging_hook``."""
+        return self.family in (OURS, HIERARCHICAL, TIMED)
+
+
+_TORCHFT = ("torchft", "torchft.local_sgd")
+
+_SPECS = (
+    VariantSpec("none", NONE),
+    VariantSpec("ddp", TORCH_DDP, hook="default_hooks.allreduce_hook"),
+    VariantSpec("ddp_fp16", TORCH_DDP, hook="default_hooks.fp16_compress_hook"),
+    VariantSpec("ddp_bf16", TORCH_DDP, hook="default_hooks.bf16_compress_hook"),
+    VariantSpec("ddp_powersgd", TORCH_DDP, hook="powerSGD_hook.powerSGD_hook", state="powersgd"),
+    VariantSpec("torch_localsgd", TORCH_LOCALSGD),
+    VariantSpec("accelerate_localsgd", PEER, library="accelerate",
+                needs=("accelerate", "accelerate.local_sgd")),
+    VariantSpec("torchft_diloco", PEER, library="torchft", needs=_TORCHFT),
+    VariantSpec("torchft_streaming_diloco", PEER, library="torchft", needs=_TORCHFT,
+                fragments=True),
+    VariantSpec("allreduce", OURS, hook="allreduce_hook"),
+    VariantSpec("fp16", OURS, hook="fp16_compress_hook"),
+    VariantSpec("bf16", OURS, hook="bf16_compress_hook"),
+    VariantSpec("powersgd", OURS, hook="powersgd_hook", state="powersgd"),
+    # rank 32: keeps ~98% of an 8-step AdamW delta's energy (study_powersgd.py) vs ~86% at 4
+    VariantSpec("powersgd_r32", OURS, hook="powersgd_hook", state="powersgd", powersgd_rank=32),
+    VariantSpec("allreduce_overlap", OURS, hook="allreduce_hook", overlap=True),
+    VariantSpec("fp16_overlap", OURS, hook="fp16_compress_hook", overlap=True),
+    # blockwise 8- and 4-bit deltas with error feedback
+    VariantSpec("int8", OURS, hook="int8_compress_hook"),
+    VariantSpec("int4", OURS, hook="int4_compress_hook"),
+    # Streaming DiLoCo's schedule without the outer optimizer, overlapped with training
+    VariantSpec("fp16_streaming", OURS, hook="fp16_compress_hook", overlap=True,
+                fragments=True),
+    VariantSpec("int8_streaming", OURS, hook="int8_compress_hook", overlap=True,
+                fragments=True),
+    VariantSpec("int4_streaming", OURS, hook="int4_compress_hook", overlap=True,
+                fragments=True),
+    # a fragment round at every step with --fragments 4: shorter rounds of fewer bytes
+    VariantSpec("int8_streaming_half_period", OURS, hook="int8_compress_hook", overlap=True,
+                fragments=True, period_divisor=2),
+    # DiLoCo: its rounds block, as in the paper (and torchft), fragments or not
+    VariantSpec("diloco", OURS, hook="outer_optimizer", inner_hook="allreduce_hook",
+                state="outer"),
+    VariantSpec("diloco_fp16", OURS, hook="outer_optimizer", inner_hook="fp16_compress_hook",
+                state="outer"),
+    VariantSpec("diloco_streaming", OURS, hook="outer_optimizer", inner_hook="allreduce_hook",
+                state="outer", fragments=True),
+    VariantSpec("diloco_int4", OURS, hook="outer_optimizer", inner_hook="int4_compress_hook",
+                state="outer"),
+    VariantSpec("diloco_int4_streaming", OURS, hook="outer_optimizer",
+                inner_hook="int4_compress_hook", state="outer", fragments=True),
+    VariantSpec("hierarchical", HIERARCHICAL, hook="allreduce_hook"),
+    VariantSpec("allreduce_timed", TIMED, hook="allreduce_hook", weighting="steps"),
+    VariantSpec("fp16_timed", TIMED, hook="fp16_compress_hook", weighting="steps"),
+    VariantSpec("allreduce_timed_equal", TIMED, hook="allreduce_hook", weighting="equal"),
+    # a rank that enters a round first trains on
+    VariantSpec("fp16_timed_overlap", TIMED, hook="fp16_compress_hook", weighting="steps",
+                overlap=True),
+    VariantSpec("fp16_timed_equal_overlap", TIMED, hook="fp16_compress_hook",
+                weighting="equal", overlap=True),
+)
+
+VARIANTS: dict[str, VariantSpec] = {spec.name: spec for spec in _SPECS}
+
+
+def names_of(*families: str) -> list[str]:
+    """The variants of these families, in :data:`VARIANTS` order."""
+    return [name for name, spec in VARIANTS.items() if spec.family in families]
