@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from . import ops
+from .collectives import Background
 from .storage import DeviceStorage
 
 __all__ = ["BucketRound", "ParamBucket", "assign_buckets"]
@@ -34,17 +35,25 @@ class BucketRound:
         bytes_sent: bytes the hook handed to collectives.
     """
 
-    __slots__ = ("scale", "overlapped", "loaded", "result_is_delta", "bytes_sent", "_deferred")
+    __slots__ = ("scale", "overlapped", "loaded", "result_is_delta", "bytes_sent", "background",
+                 "_deferred", "_to_background")
 
-    def __init__(self, scale: float = 1.0, *, overlapped: bool = False, deferring: bool = False):
+    def __init__(self, scale: float = 1.0, *, overlapped: bool = False, deferring: bool = False,
+                 background: Background | None = None):
         self.scale, self.overlapped = scale, overlapped
         self.loaded = self.result_is_delta = False
         self.bytes_sent = 0
+        #: the registration's background thread, in a round that may use it
+        self.background = background
         self._deferred: list | None = [] if deferring else None
+        self._to_background: list = []
 
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Keep ``fn`` for :meth:`take_deferred`, or run it at once when not deferring."""
-        if self._deferred is None:
+    def defer(self, fn: Callable[[], None], *, background: bool = False) -> None:
+        """Keep ``fn`` for :meth:`take_deferred` (or for the background thread), or run it
+        at once when not deferring."""
+        if background and self.background is not None and self._deferred is not None:
+            self._to_background.append(fn)
+        elif self._deferred is None:
             fn()
         else:
             self._deferred.append(fn)
@@ -53,6 +62,11 @@ class BucketRound:
         """The calls deferred so far; later ones run at once."""
         deferred, self._deferred = self._deferred or [], None
         return deferred
+
+    def take_background(self) -> list[Callable[[], None]]:
+        """The calls handed to the background thread so far (see :meth:`ParamBucket.defer`)."""
+        calls, self._to_background = self._to_background, []
+        return calls
 
 
 class ParamBucket:
@@ -305,10 +319,17 @@ class ParamBucket:
         its collectives (they complete while later steps run)."""
         return self._round.overlapped
 
-    def defer(self, fn: Callable[[], None]) -> None:
+    def defer(self, fn: Callable[[], None], *, background: bool = False) -> None:
         """Run ``fn()`` once every bucket of the round has been launched (each hook
         called, the policies' exact averages started), on the same thread, in bucket
         order, before the round is waited for.
+
+        ``background=True``, in a round that overlaps training (:attr:`overlapped`) on
+        CPU tensors: ``fn`` runs on the registration's background thread instead, after
+        the calls handed to it before (in launch order, the same on every rank), and the
+        training thread does not wait for it. There ``fn`` may issue collectives only on
+        :meth:`private_group` groups, and must complete the hook's future itself, with
+        the exception if it fails. In other rounds it is an ordinary deferred call.
 
         For a hook's second collective, which depends on its first (reduce-scatter, then
         all-gather): the first collectives of all buckets are then in flight before any
@@ -318,7 +339,16 @@ class ParamBucket:
         other deferred calls have run). A bucket outside a round of the engine (a hook
         called by hand) runs ``fn`` at once.
         """
-        self._round.defer(fn)
+        self._round.defer(fn, background=background and self.device.type == "cpu")
+
+    def private_group(self, group):
+        """The registration's own duplicate of ``group``, for collectives a background call
+        issues (see :meth:`defer`); ``group`` itself outside such a round. Made at the first
+        call, collective over ``group``'s members (every member asks at the same round)."""
+        rnd = self._round
+        if rnd.background is None or rnd._deferred is None or self.device.type != "cpu":
+            return group
+        return rnd.background.private(group)
 
     def new_state(self, dtype: torch.dtype | None = None, *,
                   numel: int | None = None) -> torch.Tensor:
@@ -346,9 +376,11 @@ class ParamBucket:
         self._round.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
     # --- the round engine's side ---------------------------------------------------------
-    def begin_round(self, scale: float = 1.0, *, overlapped: bool = False) -> BucketRound:
+    def begin_round(self, scale: float = 1.0, *, overlapped: bool = False,
+                    background: Background | None = None) -> BucketRound:
         """Start a round: :meth:`buffer` is stale, ``defer`` keeps its calls, and with
-        ``overlapped`` the parameters are snapshot (one copy, kept). Returns the round's
+        ``overlapped`` the parameters are snapshot (one copy, kept); ``background`` is the
+        registration's background thread, for an overlapped round. Returns the round's
         record for this bucket.
 
         With ``scale`` != 1, :meth:`buffer` and :meth:`delta` show the change since the
@@ -358,7 +390,8 @@ class ParamBucket:
         if scale != 1.0 and not self.has_anchor():
             raise RuntimeError(f"bucket {self._index}: a weighted round needs an anchor")
         self._storage.end_round()
-        self._round = BucketRound(scale, overlapped=overlapped, deferring=True)
+        self._round = BucketRound(scale, overlapped=overlapped, deferring=True,
+                                  background=background if overlapped else None)
         if overlapped:
             if self._launch is None:
                 self._launch = self._storage.empty()

@@ -12,12 +12,15 @@ Example:
 
 from __future__ import annotations
 
+import queue
+import threading
+
 import torch
 import torch.distributed as dist
 
 from ._groups import is_member
 
-__all__ = ["allreduce_sum", "completed", "exact_average"]
+__all__ = ["Background", "allreduce_sum", "completed", "exact_average"]
 
 
 def completed(value) -> torch.futures.Future:
@@ -50,3 +53,74 @@ def exact_average(group: dist.ProcessGroup, bucket) -> torch.futures.Future:
     else:
         buffer = bucket.buffer().div_(world_size)
     return allreduce_sum(group, buffer, bucket)
+
+
+class Background:
+    """A registration's background thread and its private process groups.
+
+    A hook whose second collective depends on its first (an all-to-all, then an
+    all-gather) would otherwise wait for the first in the training thread. In a round that
+    overlaps training it may hand that second phase to this thread instead
+    (``bucket.defer(fn, background=True)``): the calls run one at a time, in the order they
+    were handed over, which is the rounds' launch order and the same on every rank. They
+    may issue collectives only on :meth:`private` groups, duplicates of the averaging
+    groups that only this registration uses, so no collective of theirs can pair with one
+    the training thread issues meanwhile (gloo and NCCL pair collectives by the order each
+    rank issues them on a group).
+
+    The thread starts at the first call handed over and stops with the process (a daemon).
+
+    Example:
+        >>> done = []
+        >>> bg = Background()
+        >>> bg.submit(lambda: done.append(1)); bg.drain(); done
+        [1]
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue | None = None
+        self._groups: dict[tuple, dist.ProcessGroup] = {}
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    def private(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        """This registration's duplicate of ``group`` (made at the first call, collective
+        over ``group``'s members only: every member must ask for it at the same round)."""
+        ranks = tuple(dist.get_process_group_ranks(group))
+        private = self._groups.get(ranks)
+        if private is None:
+            private = self._groups[ranks] = dist.new_group(
+                list(ranks), use_local_synchronization=True,
+                group_desc="ddp_avg_hooks_background")
+        return private
+
+    def submit(self, fn) -> None:
+        """Run ``fn()`` on the background thread, after every call submitted before it.
+        ``fn`` must report its own failure (complete its hook's future with the exception)."""
+        if self._queue is None:
+            self._queue = queue.SimpleQueue()
+            threading.Thread(target=self._run, name="ddp_avg_hooks-background",
+                             daemon=True).start()
+        with self._lock:
+            self._pending += 1
+            self._idle.clear()
+        self._queue.put(fn)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted call has run; ``False`` if ``timeout`` passed first."""
+        return self._idle.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            try:
+                fn()
+            except Exception:  # fn reports its failure through its hook's future
+                pass
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                    if not self._pending:
+                        self._idle.set()

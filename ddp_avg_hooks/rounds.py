@@ -61,7 +61,7 @@ from torch.autograd.profiler import record_function
 
 from ._groups import or_world
 from .bucket import BucketRound, ParamBucket
-from .collectives import exact_average
+from .collectives import Background, exact_average
 from .errors import AveragingHookError
 from .observers import Reporter, RoundObserver
 from .policies import RoundPolicy
@@ -202,6 +202,8 @@ class RoundEngine:
         self.policies = list(policies)
         self.reporter = Reporter(list(observers))
         self.stats = AveragingStats()
+        #: the registration's background thread and private groups (see ``ParamBucket.defer``)
+        self.background = Background()
         world = dist.get_world_size(self.exact_group) if dist.is_initialized() else 1
         self.weighted = weighted and world > 1
         self.weights = RoundWeights(world=world, fragments=len(self.fragments), linear=linear)
@@ -237,18 +239,22 @@ class RoundEngine:
         # the policies' extras (buffers, optimizer state) go with the first fragment
         extras = [b for p in self.policies for b in p.buckets()] if not fragment else []
         with record_function("ddp_avg_hooks::round::launch"):
-            futures, records, deferred = [], [], []
+            futures, records, deferred, background = [], [], [], []
             for bucket in buckets:
-                record = bucket.begin_round(scale, overlapped=overlapped)
+                record = bucket.begin_round(scale, overlapped=overlapped,
+                                            background=self.background)
                 futures.append(self._call_hook(bucket, where))
                 records.append(record)
                 deferred += [(bucket, fn) for fn in record.take_deferred()]
+                background += record.take_background()
             changes = [r.result_is_delta for r in records]
             extra_futures = []
             for bucket in extras:
                 records.append(bucket.begin_round())
                 extra_futures.append(exact_average(self.exact_group, bucket))
             self._run_deferred(deferred, where)
+            for fn in background:  # in bucket order: the same on every rank
+                self.background.submit(fn)
         return Round(where, list(buckets), records, futures, changes, extras, extra_futures,
                      started, overlapped, fragment=fragment, weights=exchange)
 

@@ -63,16 +63,17 @@ Where the residual ``e_r`` lives:
 * ``state`` is ``None`` or a ``ProcessGroup``: error feedback on, block size 128, the
   residual in ``bucket.memory()``, which ``handle.state_dict()`` saves.
 
-Collective ordering: both collectives are issued by the thread that runs rounds. The hook
-issues the all-to-all and returns; the reduction, the requantization and the all-gather
-are deferred (``bucket.defer``) until every bucket's all-to-all is in flight, so a
-round of several buckets waits for the first one while the others travel. Only the
-dequantization runs in a callback. A collective issued from a callback thread could
-overtake another one issued meanwhile on the same group (the next bucket's, a buffer
-average), in a different order on each rank, and gloo and NCCL pair collectives by the
-order each rank issues them. (Deferring the second phase to the next training step
-would hide the all-to-all's wait behind a step of compute, but it makes an overlapped
-round a step staler, which costs more loss than the wait costs time.)
+Collective ordering: the hook issues the all-to-all, on the averaging group, from the
+thread that runs rounds, and returns; the reduction, the requantization and the
+all-gather are deferred (``bucket.defer``) until every bucket's all-to-all is in flight,
+so a round of several buckets waits for the first one while the others travel. In a
+round overlapped with training (on CPU tensors) they run on the registration's
+background thread instead, one bucket after another in launch order, and the all-gather
+goes over the registration's private duplicate of the group (``bucket.private_group``):
+the training thread then never waits for the all-to-all, and no collective of the
+second phase can pair with one the training thread issues meanwhile (gloo and NCCL pair
+collectives by the order each rank issues them on a group). Only the dequantization runs
+in a callback.
 """
 
 from __future__ import annotations
@@ -203,8 +204,20 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     bucket.record_sent(*layout.payload(send, numel))
     exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
     result = torch.futures.Future()
+    # overlapped with training: the second phase on the registration's background thread,
+    # its all-gather on the registration's own group, so training never waits for it
+    background = bucket.overlapped
+    gather_group = bucket.private_group(group) if background else group
 
     def reduce_and_gather() -> None:
+        try:
+            second_phase()
+        except Exception as exc:
+            if not background:
+                raise  # the engine names the bucket and fails the round
+            result.set_exception(exc)
+
+    def second_phase() -> None:
         # this rank's piece: sum every rank's version, requantize it into the all-gather
         # input. Only its values inside the bucket (past its end all codes are 0), in the
         # delta's buffer, which has been read by now.
@@ -217,7 +230,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
                             residual_out=total if residual is not None else None)
         if residual is not None:  # total now holds T - R: the requantization's loss
             residual[start : start + valid].add_(total)
-        _all_gather(send, mine, group).get_future().add_done_callback(decompress)
+        _all_gather(send, mine, gather_group).get_future().add_done_callback(decompress)
 
     def decompress(gathered: torch.futures.Future) -> None:
         try:
@@ -231,7 +244,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
         else:
             result.set_result(value)
 
-    bucket.defer(reduce_and_gather)
+    bucket.defer(reduce_and_gather, background=background)
     return result
 
 
