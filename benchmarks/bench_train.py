@@ -54,6 +54,7 @@ import torch
 from harness import launch, netns, report, uneven
 from harness.train import split_available
 from harness.variants import TIMED, names_of
+from harness.variants import VARIANTS as VARIANT_SPECS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -104,7 +105,13 @@ def main(argv=None) -> int:
     p.add_argument("--diloco-lr", type=float, default=3e-4,
                    help="DiLoCo's inner learning rate (its outer Nesterov step is up to 7x a "
                         "round's)")
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=20,
+                   help="steps between validations (times and steps to the target are "
+                        "interpolated between the two around it)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="interleaved repeats: each runs every variant once, in an order rotated "
+                        "by one per repeat; ratios are computed within a repeat and reported as "
+                        "the median (min-max) over the repeats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     p.add_argument("--out", default=RESULTS,
@@ -127,7 +134,8 @@ def main(argv=None) -> int:
             old = json.load(f)
         a.title = p.parse_args(shlex.split(old["command"])[2:]).title  # the run's own title
         all_runs, network_of = _load_runs(a.out, _profile_names(a))
-        a.steps = next(iter(all_runs.values()))["ddp"]["config"]["steps"]
+        a.steps = next(iter(all_runs.values()))[0]["ddp"]["config"]["steps"]
+        a.repeats = len(next(iter(all_runs.values())))
         a.elapsed_s = old["elapsed_s"]  # the training run's, not the replot's
         a.loadavg_end = old["loadavg_end"]
         _write_outputs(a, all_runs, network_of, old["notes"], t_start, old["loadavg_start"],
@@ -158,54 +166,76 @@ def main(argv=None) -> int:
     common = ["--preset", a.preset, "--period", str(a.period), "--warmup", str(a.warmup),
               "--lr", str(a.lr),
               "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--progress", "off"]
-    all_runs: dict[str, dict[str, dict]] = {}
+    all_runs: dict[str, list[dict[str, dict]]] = {prof.name: [] for prof in profiles}
     network_of: dict[str, str] = {}
-    for prof in profiles:
-        runs = {}
-        for v in variants:
-            steps = a.steps if v in BUDGET_1X else 2 * a.steps
-            args = [*common, "--hook", v, "--steps", str(steps)]
-            if v in DILOCO_VARIANTS:  # later arguments win
-                args += ["--period", str(DILOCO_PERIOD), "--lr", str(a.diloco_lr)]
-            if v == HIERARCHICAL:
-                args += ["--intra-period", str(a.intra_period),
-                         "--ranks-per-node", str(max(1, a.nproc // 2))]
-            if v not in BUDGET_1X and "ddp" in runs:  # up to 2x budget: stop once past DDP's loss
-                args += ["--stop-at-loss", str(runs["ddp"]["evals"][-1]["val_loss"]),
-                         "--min-steps", str(a.steps)]
-            if v in TIMED_VARIANTS:
-                args += _timed_args(a, runs)
-            outdir = os.path.join(a.runs_dir, prof.name, v)
-            t0 = time.time()
-            quota = uneven.CpuQuota() if uneven.has(mode_of.get(prof.name), "slow-rank") else None
-            try:
-                with quota or contextlib.nullcontext():
-                    args += uneven.train_args(mode_of.get(prof.name), quota)
-                    if prof.shaped:
-                        with netns.NetnsPair(prof) as pair:
-                            run = launch.run_training(args, outdir, pair=pair, nproc=a.nproc,
-                                                      timeout_s=a.timeout)
-                    else:
-                        run = launch.run_training(args, outdir, nproc=a.nproc, timeout_s=a.timeout)
-                if mode_of.get(prof.name):
-                    _note_uneven(notes, prof.name, v, run, quota)
-            except launch.LaunchError as exc:  # report it, keep the other variants
-                notes.append(f"{prof.name} / {v} FAILED: {str(exc).splitlines()[0]}")
-                print(notes[-1], file=sys.stderr, flush=True)
-                continue
-            network_of[prof.name] = run["launch"]["network"]
-            s = run["summary"]
-            print(f"{prof.name:9s} {v:15s} steps={steps:4d} val={s['final_val_loss']:.4f} "
-                  f"median={s['median_step_s'] * 1e3:7.1f}ms mean={s['mean_step_s'] * 1e3:7.1f}ms "
-                  f"MB/step={s['bytes_per_step'] / 1e6:6.3f} comm={report.comm_wait(s):.0%} "
-                  f"({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-            runs[v] = run
-        all_runs[prof.name] = runs
-        with open(os.path.join(a.out, f"train_{prof.name}.json"), "w") as f:
-            json.dump({v: _columnar(dict(r)) for v, r in runs.items()}, f)
+    for rep in range(a.repeats):
+        for prof in profiles:
+            first = all_runs[prof.name][0] if all_runs[prof.name] else None
+            runs = {}
+            for v in _rotated(variants, rep):
+                run = _run_variant(a, prof, v, rep, runs, first, common, mode_of, notes)
+                if run is not None:
+                    network_of[prof.name] = run["launch"]["network"]
+                    runs[v] = run
+            all_runs[prof.name].append({v: runs[v] for v in variants if v in runs})
+            saved = [{v: _columnar(dict(r)) for v, r in reps.items()}
+                     for reps in all_runs[prof.name]]
+            with open(os.path.join(a.out, f"train_{prof.name}.json"), "w") as f:
+                # one run: {variant: run}; interleaved repeats: a list of them
+                json.dump(saved if a.repeats > 1 else saved[0], f)
 
     _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv)
     return 0
+
+
+def _rotated(variants: list[str], rep: int) -> list[str]:
+    """The order of repeat ``rep``: the first repeat runs DDP first (its loss is the
+    target the others stop at), every later one the list rotated by ``rep``."""
+    if rep == 0:
+        return sorted(variants, key=lambda v: v != "ddp")
+    k = rep % len(variants)
+    return variants[k:] + variants[:k]
+
+
+def _run_variant(a, prof, v: str, rep: int, runs: dict, first: dict | None, common: list,
+                 mode_of: dict, notes: list) -> dict | None:
+    """One training run of variant ``v`` in repeat ``rep`` (``None`` if it failed)."""
+    steps = a.steps if v in BUDGET_1X else 2 * a.steps
+    args = [*common, "--hook", v, "--steps", str(steps)]
+    if v in DILOCO_VARIANTS:  # later arguments win
+        args += ["--period", str(DILOCO_PERIOD), "--lr", str(a.diloco_lr)]
+    if v == HIERARCHICAL:
+        args += ["--intra-period", str(a.intra_period),
+                 "--ranks-per-node", str(max(1, a.nproc // 2))]
+    ddp = (first or runs).get("ddp")  # DDP's loss is the same in every repeat
+    if v not in BUDGET_1X and ddp:  # up to 2x budget: stop once past DDP's loss
+        args += ["--stop-at-loss", str(ddp["evals"][-1]["val_loss"]), "--min-steps", str(a.steps)]
+    if v in TIMED_VARIANTS:
+        args += _timed_args(a, first or runs)
+    outdir = os.path.join(a.runs_dir, *([f"rep{rep}"] if a.repeats > 1 else []), prof.name, v)
+    t0 = time.time()
+    quota = uneven.CpuQuota() if uneven.has(mode_of.get(prof.name), "slow-rank") else None
+    try:
+        with quota or contextlib.nullcontext():
+            args += uneven.train_args(mode_of.get(prof.name), quota)
+            if prof.shaped:
+                with netns.NetnsPair(prof) as pair:
+                    run = launch.run_training(args, outdir, pair=pair, nproc=a.nproc,
+                                              timeout_s=a.timeout)
+            else:
+                run = launch.run_training(args, outdir, nproc=a.nproc, timeout_s=a.timeout)
+        if mode_of.get(prof.name):
+            _note_uneven(notes, prof.name, v, run, quota)
+    except launch.LaunchError as exc:  # report it, keep the other variants
+        notes.append(f"{prof.name} / {v} (repeat {rep + 1}) FAILED: {str(exc).splitlines()[0]}")
+        print(notes[-1], file=sys.stderr, flush=True)
+        return None
+    s = run["summary"]
+    print(f"[{rep + 1}/{a.repeats}] {prof.name:9s} {v:15s} steps={steps:4d} "
+          f"val={s['final_val_loss']:.4f} median={s['median_step_s'] * 1e3:7.1f}ms "
+          f"mean={s['mean_step_s'] * 1e3:7.1f}ms MB/step={s['bytes_per_step'] / 1e6:6.3f} "
+          f"comm={report.comm_wait(s):.0%} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return run
 
 
 def _profile_names(a) -> list[str]:
@@ -247,32 +277,38 @@ def _note_uneven(notes: list, prof: str, v: str, run: dict, quota) -> None:
 
 
 def _load_runs(out: str, profiles: list[str]) -> tuple[dict, dict]:
+    """Each profile's repeats (a list of ``{variant: run}``) as saved in ``out``."""
     all_runs, network_of = {}, {}
     for name in profiles:
         path = os.path.join(out, f"train_{name}.json")
         if os.path.exists(path):
             with open(path) as f:
-                all_runs[name] = json.load(f)
-            network_of[name] = next(iter(all_runs[name].values()))["launch"]["network"]
+                saved = json.load(f)
+            all_runs[name] = saved if isinstance(saved, list) else [saved]
+            network_of[name] = next(iter(all_runs[name][0].values()))["launch"]["network"]
     return all_runs, network_of
 
 
 def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) -> None:
-    first = next(iter(next(iter(all_runs.values())).values()))
+    firsts = {prof: reps[0] for prof, reps in all_runs.items()}  # the first repeat's runs
+    first = next(iter(next(iter(firsts.values())).values()))
     cfg = first["config"]
-    backend = next((r["config"].get("ops_backend") for runs in all_runs.values()
+    backend = next((r["config"].get("ops_backend") for runs in firsts.values()
                     for r in runs.values() if r["config"].get("ops_backend")), "n/a")
+    repeats = len(next(iter(all_runs.values())))
     header = (f"torch {torch.__version__} | cpu ({os.cpu_count()} cores, {platform.machine()}) | "
               f"world_size {cfg['world_size']} | float32 | {cfg['n_params'] / 1e6:.2f}M-param char "
               f"transformer (d={cfg['d_model']}, layers={cfg['n_layers']}, "
               f"context={cfg['context']}), batch {cfg['batch_size']}/rank | budget {a.steps} "
               f"steps (others up to {2 * a.steps}) | "
               f"period {cfg['period']}, warm-up {cfg['warmup']} | AdamW lr {cfg['lr']:g}"
-              f"{_diloco_header(all_runs)} | ops backend {backend}")
-    rows_by_profile = {prof: _with_round_bytes(report.summarize(runs), runs)
-                       for prof, runs in all_runs.items()}
+              f"{_diloco_header(firsts)} | validation every {cfg['eval_every']} steps | "
+              f"{repeats} interleaved repeat{'s' if repeats > 1 else ''} | ops backend {backend}")
+    per_repeat = {prof: [_with_round_bytes(report.summarize(runs, interpolate=True), runs)
+                         for runs in reps] for prof, reps in all_runs.items()}
+    rows_by_profile = {prof: report.aggregate(rows) for prof, rows in per_repeat.items()}
     png = report.plot({f"{p}: {network_of[p]}" if p != "loopback" else p: r
-                       for p, r in all_runs.items()}, os.path.join(a.out, "train.png"),
+                       for p, r in firsts.items()}, os.path.join(a.out, "train.png"),
                       title=header.split(" | ops")[0])
     cmd = "python benchmarks/bench_train.py " + shlex.join(
         argv if argv is not None else sys.argv[1:])
@@ -291,9 +327,15 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
           f"`{header}`", ""]
     md += [f"- {n}" for n in notes]
     md += ["", "Definitions: target = DDP's validation loss at the end of its budget; time to "
-           "target = training wall-clock (validation excluded, but not the wait for the other "
-           "ranks as it begins) at the first validation point at or below it, "
-           "'not reached' within twice the budget otherwise; validation is of the ranks' average "
+           "target and steps to target = training wall-clock (validation excluded, but not the "
+           "wait for the other ranks as it begins) and steps, interpolated between the two "
+           "validations around the target, 'not reached' within twice the budget otherwise; "
+           "the limit = DDP's steps to its own loss times `none`'s mean step in the same repeat, "
+           "x of limit = time to target over it = steps x (steps to target over DDP's) times "
+           "step time x (mean step up to the target over `none`'s); x sooner than a peer = the "
+           "peer's time to target over the row's, in the same repeat; with repeats, each cell "
+           "is the median over the repeats, with their min-max in brackets; validation is of "
+           "the ranks' average "
            "model; MB/step = bytes rank 0 handed to collectives per step (wire MB/step: the veth "
            "device's kernel counter, TCP/IP overhead included); comm wait = share of step time "
            "waiting on communication (gradient all-reduces, and the averaging call of every step: "
@@ -304,15 +346,17 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
            "first validation at or below the target. Plot: `benchmarks/results/train.png`.", ""]
     for prof, rows in rows_by_profile.items():
         md += [f"#### {prof}: {network_of[prof]}", "",
-               report.markdown_table(rows, report.BENCH_COLUMNS), ""]
+               report.markdown_table(rows, report.REPEAT_COLUMNS), ""]
+        md += _breakdown(rows, all_runs[prof], prof)
         if "+" in prof:  # uneven workers: per-rank steps, compute and idle time
             md += ["Uneven workers: compute = step time minus time waiting on communication "
                    "(gradient-sync waits, averaging rounds, the wait for the other ranks as a "
                    "validation begins); overhead = (mean step - mean "
                    "compute) / mean compute; idle share = each rank's waiting time over its "
                    "training time (rank 0 / rank 1 ...).", "",
-                   report.markdown_table(uneven.rows(all_runs[prof]), uneven.COLUMNS), ""]
+                   report.markdown_table(uneven.rows(firsts[prof]), uneven.COLUMNS), ""]
         md += _targets(rows, prof)
+        md += _limit_targets(rows, per_repeat[prof], prof)
     with open(os.path.join(a.out, "train_section.md"), "w") as f:
         f.write("\n".join(md))
     # the section: this run's part plus the parts other invocations left under results/
@@ -339,6 +383,101 @@ def _with_round_bytes(rows: list[dict], runs: dict) -> list[dict]:
         if "node" in stats:
             row["node_round_mb"] = stats["node"]["bytes_sent"] / 1e6
     return rows
+
+
+def _ours(variant: str) -> bool:
+    spec = VARIANT_SPECS.get(variant)
+    return spec is not None and spec.ours
+
+
+def _best_ours(rows: list[dict]) -> dict | None:
+    """Our variant with the smallest median time to target."""
+    reached = [r for r in rows if _ours(r["variant"]) and r.get("time_to_target_s")]
+    return min(reached, key=lambda r: r["time_to_target_s"]) if reached else None
+
+
+def _breakdown(rows: list[dict], reps: list[dict], prof: str) -> list[str]:
+    """Where a step's time goes, for ``none``, PyTorch's local SGD and our best: medians
+    over the repeats of each part's mean per step."""
+    import statistics
+
+    best = _best_ours(rows)
+    names = [v for v in ("none", "torch_localsgd") if v in reps[0]]
+    names += [best["variant"]] if best else []
+    out = []
+    for v in names:
+        parts = [runs[v]["summary"].get("breakdown") for runs in reps if v in runs]
+        parts = [p for p in parts if p]
+        if not parts:
+            continue
+        med = {k: statistics.median(p[k] for p in parts) * 1e3 for k in parts[0]}
+        out.append(dict(variant=v, mean_step_ms=statistics.median(
+            runs[v]["summary"]["mean_step_s"] for runs in reps if v in runs) * 1e3,
+            fwd_bwd_ms=med.get("fwd_bwd_s"), grad_wait_ms=med.get("grad_wait_s"),
+            opt_ms=med.get("opt_s"), avg_ms=med.get("avg_s"), other_cpu_ms=med.get("other_cpu_s")))
+    if not out:
+        return []
+    return [f"Where a step's time goes ({prof}; mean per step, median over the repeats; other "
+            "threads' CPU = CPU time of the process's other threads during the step: gloo's and "
+            "the rounds' background work, on the same shared cores):", "",
+            report.markdown_table(out, report.BREAKDOWN_COLUMNS), ""]
+
+
+# the targets of interleaved repeats: our best within this of the no-communication limit
+LIMIT_TARGETS = {"100mbit": 1.15, "25mbit": 1.3}
+
+
+def _met(values, ok) -> tuple[int, int]:
+    present = [v for v in values if v is not None]
+    return sum(ok(v) for v in present), len(present)
+
+
+def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) -> list[str]:
+    """The targets judged on the medians, with in how many repeats each was met; a spread
+    that straddles a target is said so."""
+    best = _best_ours(rows)
+    if best is None:
+        return []
+    n = len(per_repeat)
+    out = []
+
+    def line(what, key, ok, goal):
+        v, values = best.get(key), best.get(f"{key}_values") or [best.get(key)]
+        if v is None:
+            return f"- {what}: n/a ({goal})."
+        k, m = _met(values, ok)
+        lo, hi = best.get(f"{key}_range") or (v, v)
+        straddle = " (the spread straddles it)" if ok(lo) != ok(hi) else ""
+        return (f"- {what}: median {v:.2f}, {lo:.2f}-{hi:.2f} over {n} repeats ({goal}: "
+                f"{'met' if ok(v) else 'not met'}, met in {k} of {m}{straddle}).")
+
+    limit = LIMIT_TARGETS.get(prof.split("+")[0])
+    out.append(f"Targets of interleaved repeats ({prof}), for our best configuration "
+               f"`{best['variant']}`:")
+    if limit:
+        out.append(line("time to target over the no-communication limit", "x_of_limit",
+                        lambda x: x <= limit, f"target <= {limit}x"))
+    out.append(line("steps to DDP's loss over DDP's", "steps_x", lambda x: x <= 1.10,
+                    "target <= 1.10x"))
+    for key, peer in (("vs_pma", "PeriodicModelAverager"), ("vs_powersgd", "DDP + PowerSGD"),
+                      ("vs_torchft", "torchft's DiLoCo")):
+        if best.get(f"{key}_values") and any(x is not None for x in best[f"{key}_values"]):
+            out.append(line(f"x sooner than {peer}", key, lambda x: x > 1.0,
+                            "target: ahead in every repeat"))
+    for r in rows:
+        spec = VARIANT_SPECS.get(r["variant"])
+        if spec is not None and spec.ours and spec.overlap and r.get("comm_share") is not None:
+            k, m = _met(r.get("comm_share_values") or [], lambda x: x <= 0.02)
+            out.append(f"- comm wait of `{r['variant']}` (overlapped): median "
+                       f"{r['comm_share']:.1%} (target <= 2%: "
+                       f"{'met' if r['comm_share'] <= 0.02 else 'not met'}, met in {k} of {m}).")
+    local = [r for r in rows if _ours(r["variant"]) and r.get("local_overhead")]
+    if local:
+        worst = max(local, key=lambda r: r["local_overhead"])
+        out.append(f"- local step over `none`'s: at most {worst['local_overhead']:.2f} (median, "
+                   f"`{worst['variant']}`; target <= 1.05x: "
+                   f"{'met' if worst['local_overhead'] <= 1.05 else 'not met'}).")
+    return out + [""]
 
 
 def _diloco_header(all_runs: dict) -> str:
@@ -409,7 +548,11 @@ def _speed_targets(rows: list[dict], prof: str) -> list[str]:
 
 def _fewest_bytes_candidate(variant: str) -> bool:
     """The variants the 100x bytes target is about: the DiLoCo family, 4-bit, fragments."""
-    return variant in DILOCO_VARIANTS or "int4" in variant or variant.endswith("_streaming")
+    spec = VARIANT_SPECS.get(variant)
+    if spec is None:
+        return False
+    return (variant in DILOCO_VARIANTS or spec.inner_hook is not None or spec.fragments
+            or "int4" in (spec.hook or ""))
 
 
 def _overlap_diloco_targets(rows: list[dict], prof: str) -> list[str]:

@@ -94,6 +94,7 @@ def summarize(steps: list[dict], evals: list[dict], *, rank: int, world: int, me
         comm_share=sum(r["comm_s"] for r in steps) / max(train_s, 1e-12),
         val_wait_s=val_wait_s,
         median_local_step_s=statistics.median(local_s) if local_s else None,
+        breakdown=breakdown(steps),
         wire_bytes_per_step=(None if wire0 is None or wire1 is None
                              else (wire1 - wire0) / len(steps)),
         **per_rank,
@@ -103,6 +104,16 @@ def summarize(steps: list[dict], evals: list[dict], *, rank: int, world: int, me
         eval_s=eval_s,
         **extra,
     )
+
+
+BREAKDOWN = ("fwd_bwd_s", "grad_wait_s", "opt_s", "avg_s", "other_cpu_s")
+
+
+def breakdown(steps: list[dict]) -> dict:
+    """Mean seconds per step of each part of a step (see ``train.train_step``); the parts
+    the records hold."""
+    return {k: statistics.fmean(r[k] for r in steps) for k in BREAKDOWN
+            if steps and k in steps[0]}
 
 
 def run_result(args, *, world: int, n_params: int, wire_if: str | None, ops_backend,

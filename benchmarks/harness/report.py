@@ -16,7 +16,11 @@ Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
 - *comm wait share*: seconds waiting on communication (gradient all-reduces and every
   step's averaging call) / training seconds (:func:`comm_wait`);
 - *local-step overhead*: median step time of steps that neither averaged nor sent
-  anything, over the median step of the no-communication run (``none``).
+  anything, over the median step of the no-communication run (``none``);
+- *the no-communication limit*: DDP's steps to its own final loss times ``none``'s mean
+  step: the time to DDP's loss of a method that needs DDP's steps and sends nothing; *x
+  of limit*: a run's time to target over it, the product of *steps x* (its steps to the
+  target over DDP's) and *step time x* (its mean step up to the target over ``none``'s).
 
 Example::
 
@@ -64,6 +68,27 @@ def time_to_target(run: dict, target: float, interpolate: bool = False) -> float
     return prev["train_s"] + frac * (hit["train_s"] - prev["train_s"])
 
 
+def steps_to_target(run: dict, target: float, interpolate: bool = False) -> float | None:
+    """Steps at the first validation at or below ``target`` (``None``: never), or with
+    ``interpolate`` linearly between it and the validation before it.
+
+    >>> run = {"evals": [{"step": 20, "train_s": 1.0, "val_loss": 3.0},
+    ...                  {"step": 40, "train_s": 2.0, "val_loss": 2.0}]}
+    >>> steps_to_target(run, 2.5), steps_to_target(run, 2.5, interpolate=True)
+    (40, 30.0)
+    """
+    evals = run["evals"]
+    k = next((k for k, e in enumerate(evals) if e["val_loss"] <= target), None)
+    if k is None:
+        return None
+    hit = evals[k]
+    if not interpolate or k == 0:
+        return hit["step"]
+    prev = evals[k - 1]
+    frac = (prev["val_loss"] - target) / (prev["val_loss"] - hit["val_loss"])
+    return prev["step"] + frac * (hit["step"] - prev["step"])
+
+
 def bytes_to_target(run: dict, target: float) -> int | None:
     hit = _first_at_target(run, target)
     return None if hit is None else hit["bytes"]
@@ -88,17 +113,34 @@ def comm_wait(summary: dict) -> float:
     return summary["comm_share"] - (waited / max(summary["train_s"], 1e-12) if waited else 0.0)
 
 
+PEERS = {"pma": "torch_localsgd", "powersgd": "ddp_powersgd", "torchft": "torchft_diloco"}
+
+
 def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
-              reference: str = "torch_localsgd") -> list[dict]:
-    """One row per run (in ``runs`` order) with the metrics defined in the module docstring."""
+              reference: str = "torch_localsgd", interpolate: bool = False) -> list[dict]:
+    """One row per run (in ``runs`` order) with the metrics defined in the module docstring.
+
+    ``interpolate``: times and steps to the target between the two validations around
+    it. Then each row also has ``steps_to_target``, ``vs_<peer>`` (the peer's time to
+    target over the run's: ``pma``, ``powersgd``, ``torchft``; ``None`` without it),
+    ``x_of_limit`` (the run's time to target over the no-communication limit: DDP's steps
+    to its own loss times ``none``'s mean step), and its two factors, ``steps_x`` (steps
+    to target over DDP's) and ``step_time_x`` (mean step up to the target over ``none``'s).
+    """
     base = runs.get(baseline)
     budget = _steps(base) if base else None
     target = base["evals"][-1]["val_loss"] if base else None
-    base_ttt = time_to_target(base, target) if base else None
-    ref_ttt = time_to_target(runs[reference], target) if reference in runs and base else None
+    base_ttt = time_to_target(base, target, interpolate) if base else None
+    ref_ttt = time_to_target(runs[reference], target, interpolate) \
+        if reference in runs and base else None
     base_btt = bytes_to_target(base, target) if base else None
     none_step = runs[none]["summary"]["median_step_s"] if none in runs else None
     base_step = base["summary"]["mean_step_s"] if base else None
+    base_steps = steps_to_target(base, target, interpolate) if base else None
+    none_mean = runs[none]["summary"]["mean_step_s"] if none in runs else None
+    limit = base_steps * none_mean if base_steps and none_mean else None
+    peer_ttt = {k: time_to_target(runs[v], target, interpolate) if v in runs and base else None
+                for k, v in PEERS.items()}
     rows = []
     for name, run in runs.items():
         s = run["summary"]
@@ -117,15 +159,63 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
             at = loss_at_step(run, budget)
             row["val_at_budget"] = at
             row["gap_pct"] = None if at is None else 100.0 * (at - target) / target
-            ttt = time_to_target(run, target) if name != none else None
+            ttt = time_to_target(run, target, interpolate) if name != none else None
             row["time_to_target_s"] = ttt
             row["ttt_speedup_vs_ddp"] = base_ttt / ttt if ttt and base_ttt else None
             row["ttt_speedup_vs_torch"] = ref_ttt / ttt if ttt and ref_ttt else None
             btt = bytes_to_target(run, target) if name != none else None
             row["mb_to_target"] = None if btt is None else btt / 1e6
             row["bytes_saving_vs_ddp"] = base_btt / btt if btt and base_btt else None
+            if interpolate:
+                stt = steps_to_target(run, target, True) if name != none else None
+                row["steps_to_target"] = stt
+                row["limit_s"] = limit
+                row["x_of_limit"] = ttt / limit if ttt and limit else None
+                row["steps_x"] = stt / base_steps if stt and base_steps else None
+                row["step_time_x"] = (ttt / stt) / none_mean if ttt and stt and none_mean else None
+                for key, peer_t in peer_ttt.items():
+                    row[f"vs_{key}"] = peer_t / ttt if ttt and peer_t and \
+                        name != PEERS[key] else None
+        row["breakdown"] = s.get("breakdown")
         rows.append(row)
     return rows
+
+
+RANGED = ("steps", "median_step_ms", "mean_step_ms", "comm_share", "local_overhead",
+          "time_to_target_s", "steps_to_target", "ttt_speedup_vs_ddp", "ttt_speedup_vs_torch",
+          "x_of_limit", "steps_x", "step_time_x", "vs_pma", "vs_powersgd", "vs_torchft",
+          "limit_s", "mb_to_target", "bytes_saving_vs_ddp", "val_at_budget", "gap_pct",
+          "final_val_loss")
+
+
+def aggregate(rows_per_repeat: list[list[dict]]) -> list[dict]:
+    """One row per variant over interleaved repeats: each metric of :data:`RANGED` as
+    its median over the repeats that have it, with ``<metric>_range`` = (min, max) and
+    ``<metric>_values`` (one per repeat, ``None`` where missing); ``repeats`` counts them.
+    Other keys come from the first repeat. Variants keep the first repeat's order.
+
+    >>> r = lambda t: [{"variant": "a", "time_to_target_s": t}]
+    >>> row = aggregate([r(3.0), r(1.0), r(2.0)])[0]
+    >>> row["time_to_target_s"], row["time_to_target_s_range"], row["repeats"]
+    (2.0, (1.0, 3.0), 3)
+    """
+    import statistics
+
+    order = [r["variant"] for r in rows_per_repeat[0]]
+    by_variant = {v: [next((r for r in rows if r["variant"] == v), None)
+                      for rows in rows_per_repeat] for v in order}
+    out = []
+    for v, rows in by_variant.items():
+        first = next(r for r in rows if r is not None)
+        row = dict(first, repeats=sum(r is not None for r in rows))
+        for key in RANGED:
+            values = [None if r is None else r.get(key) for r in rows]
+            present = [x for x in values if x is not None]
+            row[key] = statistics.median(present) if present else None
+            row[f"{key}_range"] = (min(present), max(present)) if present else None
+            row[f"{key}_values"] = values
+        out.append(row)
+    return out
 
 
 def summarize_equal_time(runs: dict[str, dict], baseline: str = "ddp") -> list[dict]:
@@ -179,6 +269,26 @@ DEMO_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
                 ("speedup vs DDP", "speedup", ".2f"),
                 ("time/step ms", "mean_step_ms", ".1f"), ("MB/step", "mb_per_step", ".3f")]
 
+#: the columns of interleaved repeats (medians, with min-max over the repeats)
+REPEAT_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", ".0f"),
+                  ("mean step ms", "mean_step_ms", ".1f"), ("MB/step", "mb_per_step", ".3f"),
+                  ("comm wait", "comm_share", ".0%"),
+                  ("local step / none", "local_overhead", ".2f"),
+                  ("steps to target", "steps_to_target", ".0f"),
+                  ("time to target s", "time_to_target_s", ".1f"),
+                  ("x of limit", "x_of_limit", ".2f"), ("= steps x", "steps_x", ".2f"),
+                  ("x step time", "step_time_x", ".2f"),
+                  ("x sooner than PMA", "vs_pma", ".2f"),
+                  ("x sooner than DDP+PowerSGD", "vs_powersgd", ".2f"),
+                  ("x sooner than torchft DiLoCo", "vs_torchft", ".2f"),
+                  ("x fewer bytes than DDP", "bytes_saving_vs_ddp", ".1f")]
+
+BREAKDOWN_COLUMNS = [("variant", "variant", "s"), ("step ms", "mean_step_ms", ".1f"),
+                     ("forward+backward ms", "fwd_bwd_ms", ".1f"),
+                     ("of which gradient-sync wait ms", "grad_wait_ms", ".1f"),
+                     ("optimizer ms", "opt_ms", ".1f"), ("averaging call ms", "avg_ms", ".1f"),
+                     ("other threads' CPU ms", "other_cpu_ms", ".1f")]
+
 BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
                  ("median step ms", "median_step_ms", ".1f"),
                  ("mean step ms", "mean_step_ms", ".1f"),
@@ -213,6 +323,7 @@ def markdown_table(rows: list[dict], columns=DEMO_COLUMNS) -> str:
         cells = []
         for _, key, spec in columns:
             v = r.get(key)
+            spread = r.get(f"{key}_range") if (r.get("repeats") or 1) > 1 else None
             if key == "time_to_target_s" and v is None and "time_to_target_s" in r \
                     and r["variant"] != "none":
                 cells.append("not reached")
@@ -220,6 +331,9 @@ def markdown_table(rows: list[dict], columns=DEMO_COLUMNS) -> str:
                 cells.append(format(v, spec) + "%")
             else:
                 cells.append(_fmt(v, spec))
+            if spread is not None and v is not None and spread[0] != spread[1]:
+                lo, hi = (format(x, spec) for x in spread)
+                cells[-1] += f" ({lo}–{hi})"
         body.append("| " + " | ".join(cells) + " |")
     return "\n".join([head, sep, *body])
 

@@ -95,13 +95,15 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
         b0 = meter.bytes
         batch = get_batch(train_data, args.batch_size, args.context, gen)
         # variant.after_step is handle.step
-        loss, grad_wait, averaged, avg_s = train_step(variant, opt, sched, meter, slow, batch, t0)
+        loss, grad_wait, averaged, avg_s, parts = train_step(variant, opt, sched, meter, slow,
+                                                             batch, t0)
         dt = time.perf_counter() - t0
         nbytes = meter.bytes - b0
         train_s += dt
         total_bytes += nbytes
         steps.append(dict(step=i, loss=round(loss.item(), 5), step_s=round(dt, 6), bytes=nbytes,
-                          comm_s=round(grad_wait + avg_s, 6), averaged=averaged))
+                          comm_s=round(grad_wait + avg_s, 6), averaged=averaged,
+                          grad_wait_s=round(grad_wait, 6), **parts))
         i += 1
         k = handle.rounds_started
         if averaged and k < rounds and k % every == 0:

@@ -590,19 +590,31 @@ def main(argv=None) -> dict | None:
 
 def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: float):
     """One step's compute and averaging call, begun at ``t0``: (loss, seconds waiting on
-    gradient sync, whether it averaged, seconds of the averaging call)."""
+    gradient sync, whether it averaged, seconds of the averaging call, the step's parts).
+
+    The parts (seconds): ``fwd_bwd_s`` (forward and backward, DDP's gradient sync
+    included), ``opt_s`` (the optimizer and LR scheduler), ``avg_s`` (the averaging call),
+    and ``other_cpu_s``, the CPU time the process's other threads used meanwhile (gloo's
+    and the rounds' background work, on the same shared cores).
+    """
+    cpu0, own0 = time.process_time(), time.thread_time()
     x, y = batch
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(variant.model(x).flatten(0, 1), y.flatten())
     loss.backward()
+    t_bwd = time.perf_counter()
     grad_wait = meter.take_grad_wait()
     opt.step()
     sched.step()
-    slow.after_compute(time.perf_counter() - t0 - grad_wait)  # uneven workers: a sleep
+    t_opt = time.perf_counter()
+    slow.after_compute(t_opt - t0 - grad_wait)  # uneven workers: a sleep
     ta = time.perf_counter()
     averaged = bool(variant.after_step())
     avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
-    return loss, grad_wait, averaged, avg_s
+    other_cpu = (time.process_time() - cpu0) - (time.thread_time() - own0)
+    parts = dict(fwd_bwd_s=round(t_bwd - t0, 6), opt_s=round(t_opt - t_bwd, 6),
+                 avg_s=round(avg_s, 6), other_cpu_s=round(max(other_cpu, 0.0), 6))
+    return loss, grad_wait, averaged, avg_s, parts
 
 
 def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
@@ -673,7 +685,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         t0 = time.perf_counter()
         b0 = meter.bytes
         batch = get_batch(train_data, args.batch_size, args.context, gen)
-        loss, grad_wait, averaged, avg_s = train_step(variant, opt, sched, meter, slow, batch, t0)
+        loss, grad_wait, averaged, avg_s, parts = train_step(variant, opt, sched, meter, slow,
+                                                             batch, t0)
         flags = (0.0, 0.0)
         if control:  # inside the step's time: it is a per-step handshake the run would not have
             now = train_s + time.perf_counter() - t0
@@ -689,7 +702,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         train_s += dt
         total_bytes += nbytes
         rec = dict(step=i, loss=round(loss.item(), 5), step_s=round(dt, 6), bytes=nbytes,
-                   comm_s=round(grad_wait + avg_s + variant.take_comm_s(), 6), averaged=averaged)
+                   comm_s=round(grad_wait + avg_s + variant.take_comm_s(), 6), averaged=averaged,
+                   grad_wait_s=round(grad_wait, 6), **parts)
         steps.append(rec)
         if bar is not None:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", step_ms=f"{dt * 1e3:.0f}",

@@ -147,3 +147,48 @@ def test_plot_marks_target_and_budget(tmp_path, equal_time_runs):
     path = report.plot({"net": equal_time_runs}, str(tmp_path / "d.png"), title="t",
                        target=2.0, budget_s=2.0)
     assert path and (tmp_path / "d.png").stat().st_size > 10_000
+
+
+def test_interpolated_times_the_limit_and_its_two_factors(runs):
+    rows = {r["variant"]: r for r in report.summarize(runs, interpolate=True)}
+    # target 2.0 (DDP's last validation): DDP reaches it at step 4, 2.0 s; none steps 0.1 s
+    assert rows["ddp"]["steps_to_target"] == 4 and rows["ours"]["limit_s"] == 4 * 0.1
+    # ours: between (4, 0.6 s, 2.04) and (6, 0.9 s, 1.99): 0.8 of the way
+    assert rows["ours"]["steps_to_target"] == pytest.approx(5.6)
+    assert rows["ours"]["time_to_target_s"] == pytest.approx(0.84)
+    assert rows["ours"]["x_of_limit"] == pytest.approx(0.84 / 0.4)
+    assert rows["ours"]["steps_x"] == pytest.approx(5.6 / 4)
+    assert rows["ours"]["step_time_x"] == pytest.approx((0.84 / 5.6) / 0.1)
+    assert rows["ours"]["x_of_limit"] == pytest.approx(rows["ours"]["steps_x"]
+                                                      * rows["ours"]["step_time_x"])
+    # PyTorch's local SGD: between (6, 1.5 s, 2.1) and (8, 2.0 s, 1.9): half way
+    pma = 1.5 + (2.1 - 2.0) / (2.1 - 1.9) * 0.5
+    assert rows["ours"]["vs_pma"] == pytest.approx(pma / 0.84)
+    assert rows["torch_localsgd"]["vs_pma"] is None and rows["ours"]["vs_torchft"] is None
+
+
+def test_repeats_report_the_median_and_the_spread(runs):
+    import copy
+
+    slower = copy.deepcopy(runs)
+    for e in slower["ours"]["evals"]:
+        e["train_s"] *= 2
+    faster = copy.deepcopy(runs)
+    for e in faster["ours"]["evals"]:
+        e["train_s"] /= 2
+    rows = report.aggregate([report.summarize(r, interpolate=True)
+                             for r in (runs, slower, faster)])
+    ours = next(r for r in rows if r["variant"] == "ours")
+    assert ours["time_to_target_s"] == pytest.approx(0.84) and ours["repeats"] == 3
+    assert ours["time_to_target_s_range"] == pytest.approx((0.42, 1.68))
+    table = report.markdown_table(rows, report.REPEAT_COLUMNS)
+    assert "| ours | 8 |" in table and "0.8 (0.4–1.7)" in table
+
+
+def test_repeats_rotate_the_order_and_the_first_runs_ddp_first():
+    import bench_train
+
+    variants = ["none", "ddp", "a", "b"]
+    assert bench_train._rotated(variants, 0) == ["ddp", "none", "a", "b"]
+    assert bench_train._rotated(variants, 1) == ["ddp", "a", "b", "none"]
+    assert bench_train._rotated(variants, 2) == ["a", "b", "none", "ddp"]
