@@ -65,12 +65,12 @@ OVERLAP_DILOCO_VARIANTS = ["allreduce_overlap", "fp16_overlap", "diloco", "diloc
                            "diloco_streaming", "torchft_diloco", "torchft_streaming_diloco"]
 VARIANTS += OVERLAP_DILOCO_VARIANTS
 DILOCO_VARIANTS = {"diloco", "diloco_fp16", "diloco_streaming", "diloco_int4",
-                   "diloco_int4_streaming", "torchft_diloco", "torchft_streaming_diloco"}
+                   "diloco_int4_streaming", "torchft_diloco", "torchft_streaming_diloco",
+                   "fsdp_diloco", "torchft_fsdp_diloco"}
 DILOCO_PERIOD = 32
 # hierarchical averaging: two "nodes" (namespaces) of --nproc / 2 ranks; not in the default
 # run (2 ranks: one per node), see --nproc
 HIERARCHICAL = "hierarchical"
-BUDGET_1X = {"none", "ddp"}
 # rounds every --round-seconds (not in the default run; see --uneven)
 TIMED_VARIANTS = names_of(TIMED)
 
@@ -113,6 +113,12 @@ def main(argv=None) -> int:
                         "by one per repeat; ratios are computed within a repeat and reported as "
                         "the median (min-max) over the repeats")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--baseline", default="ddp",
+                   help="the variant whose final loss is the target and whose budget is --steps "
+                        "(the FSDP2 runs: hsdp_native)")
+    p.add_argument("--none", default="none",
+                   help="the variant that never communicates, the limit's step time (the FSDP2 "
+                        "runs: fsdp_none)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     p.add_argument("--out", default=RESULTS,
                    help="JSON and plot; a sub-folder of results/ adds a part to the RESULTS.md "
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
             old = json.load(f)
         a.title = p.parse_args(shlex.split(old["command"])[2:]).title  # the run's own title
         all_runs, network_of = _load_runs(a.out, _profile_names(a))
-        a.steps = next(iter(all_runs.values()))[0]["ddp"]["config"]["steps"]
+        a.steps = next(iter(all_runs.values()))[0][a.baseline]["config"]["steps"]
         a.repeats = len(next(iter(all_runs.values())))
         a.elapsed_s = old["elapsed_s"]  # the training run's, not the replot's
         a.loadavg_end = old["loadavg_end"]
@@ -172,7 +178,7 @@ def main(argv=None) -> int:
         for prof in profiles:
             first = all_runs[prof.name][0] if all_runs[prof.name] else None
             runs = {}
-            for v in _rotated(variants, rep):
+            for v in _rotated(variants, rep, a.baseline):
                 run = _run_variant(a, prof, v, rep, runs, first, common, mode_of, notes)
                 if run is not None:
                     network_of[prof.name] = run["launch"]["network"]
@@ -188,11 +194,11 @@ def main(argv=None) -> int:
     return 0
 
 
-def _rotated(variants: list[str], rep: int) -> list[str]:
-    """The order of repeat ``rep``: the first repeat runs DDP first (its loss is the
-    target the others stop at), every later one the list rotated by ``rep``."""
+def _rotated(variants: list[str], rep: int, baseline: str = "ddp") -> list[str]:
+    """The order of repeat ``rep``: the first repeat runs the baseline first (its loss is
+    the target the others stop at), every later one the list rotated by ``rep``."""
     if rep == 0:
-        return sorted(variants, key=lambda v: v != "ddp")
+        return sorted(variants, key=lambda v: v != baseline)
     k = rep % len(variants)
     return variants[k:] + variants[:k]
 
@@ -200,15 +206,16 @@ def _rotated(variants: list[str], rep: int) -> list[str]:
 def _run_variant(a, prof, v: str, rep: int, runs: dict, first: dict | None, common: list,
                  mode_of: dict, notes: list) -> dict | None:
     """One training run of variant ``v`` in repeat ``rep`` (``None`` if it failed)."""
-    steps = a.steps if v in BUDGET_1X else 2 * a.steps
+    budget_1x = v in (a.baseline, a.none)
+    steps = a.steps if budget_1x else 2 * a.steps
     args = [*common, "--hook", v, "--steps", str(steps)]
     if v in DILOCO_VARIANTS:  # later arguments win
         args += ["--period", str(DILOCO_PERIOD), "--lr", str(a.diloco_lr)]
     if v == HIERARCHICAL:
         args += ["--intra-period", str(a.intra_period),
                  "--ranks-per-node", str(max(1, a.nproc // 2))]
-    ddp = (first or runs).get("ddp")  # DDP's loss is the same in every repeat
-    if v not in BUDGET_1X and ddp:  # up to 2x budget: stop once past DDP's loss
+    ddp = (first or runs).get(a.baseline)  # its loss is the same in every repeat
+    if not budget_1x and ddp:  # up to 2x budget: stop once past the baseline's loss
         args += ["--stop-at-loss", str(ddp["evals"][-1]["val_loss"]), "--min-steps", str(a.steps)]
     if v in TIMED_VARIANTS:
         args += _timed_args(a, first or runs)
@@ -304,7 +311,8 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
               f"period {cfg['period']}, warm-up {cfg['warmup']} | AdamW lr {cfg['lr']:g}"
               f"{_diloco_header(firsts)} | validation every {cfg['eval_every']} steps | "
               f"{repeats} interleaved repeat{'s' if repeats > 1 else ''} | ops backend {backend}")
-    per_repeat = {prof: [_with_round_bytes(report.summarize(runs, interpolate=True), runs)
+    per_repeat = {prof: [_with_round_bytes(report.summarize(
+        runs, baseline=a.baseline, none=a.none, interpolate=True), runs)
                          for runs in reps] for prof, reps in all_runs.items()}
     rows_by_profile = {prof: report.aggregate(rows) for prof, rows in per_repeat.items()}
     png = report.plot({f"{p}: {network_of[p]}" if p != "loopback" else p: r
@@ -326,6 +334,9 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
           "shared, so absolute times vary between runs; compare within a table).", "",
           f"`{header}`", ""]
     md += [f"- {n}" for n in notes]
+    if (a.baseline, a.none) != ("ddp", "none"):
+        md += [f"- the baseline (DDP's role in the definitions and targets below) is "
+               f"`{a.baseline}`; the variant that never communicates (`none`'s) is `{a.none}`"]
     md += ["", "Definitions: target = DDP's validation loss at the end of its budget; time to "
            "target and steps to target = training wall-clock (validation excluded, but not the "
            "wait for the other ranks as it begins) and steps, interpolated between the two "
@@ -347,7 +358,8 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
     for prof, rows in rows_by_profile.items():
         md += [f"#### {prof}: {network_of[prof]}", "",
                report.markdown_table(rows, report.REPEAT_COLUMNS), ""]
-        md += _breakdown(rows, all_runs[prof], prof)
+        md += _breakdown(rows, all_runs[prof], prof, a.none)
+        md += _memory(rows)
         if "+" in prof:  # uneven workers: per-rank steps, compute and idle time
             md += ["Uneven workers: compute = step time minus time waiting on communication "
                    "(gradient-sync waits, averaging rounds, the wait for the other ranks as a "
@@ -357,6 +369,7 @@ def _write_outputs(a, all_runs, network_of, notes, t_start, load_start, argv) ->
                    report.markdown_table(uneven.rows(firsts[prof]), uneven.COLUMNS), ""]
         md += _targets(rows, prof)
         md += _limit_targets(rows, per_repeat[prof], prof)
+        md += _sharded_targets(rows, len(per_repeat[prof]), prof)
     with open(os.path.join(a.out, "train_section.md"), "w") as f:
         f.write("\n".join(md))
     # the section: this run's part plus the parts other invocations left under results/
@@ -396,13 +409,13 @@ def _best_ours(rows: list[dict]) -> dict | None:
     return min(reached, key=lambda r: r["time_to_target_s"]) if reached else None
 
 
-def _breakdown(rows: list[dict], reps: list[dict], prof: str) -> list[str]:
+def _breakdown(rows: list[dict], reps: list[dict], prof: str, none: str = "none") -> list[str]:
     """Where a step's time goes, for ``none``, PyTorch's local SGD and our best: medians
     over the repeats of each part's mean per step."""
     import statistics
 
     best = _best_ours(rows)
-    names = [v for v in ("none", "torch_localsgd") if v in reps[0]]
+    names = [v for v in (none, "torch_localsgd") if v in reps[0]]
     names += [best["variant"]] if best else []
     out = []
     for v in names:
@@ -423,6 +436,18 @@ def _breakdown(rows: list[dict], reps: list[dict], prof: str) -> list[str]:
             report.markdown_table(out, report.BREAKDOWN_COLUMNS), ""]
 
 
+def _memory(rows: list[dict]) -> list[str]:
+    """Memory per rank, for the runs of sharded models (whose ranks hold parts)."""
+    if not any(VARIANT_SPECS.get(r["variant"]) and VARIANT_SPECS[r["variant"]].fsdp
+               for r in rows):
+        return []
+    return ["Memory per rank (parameters held = this rank's local shards; registration "
+            "holds = the bytes the averaging registration holds, `handle.memory_bytes()`, over "
+            "them; peak RSS = the process's peak resident set, the largest over the ranks, "
+            "median over the repeats):", "",
+            report.markdown_table(rows, report.MEMORY_COLUMNS), ""]
+
+
 # the targets of interleaved repeats: our best within this of the no-communication limit
 LIMIT_TARGETS = {"100mbit": 1.15, "25mbit": 1.3}
 
@@ -430,6 +455,46 @@ LIMIT_TARGETS = {"100mbit": 1.15, "25mbit": 1.3}
 def _met(values, ok) -> tuple[int, int]:
     present = [v for v in values if v is not None]
     return sum(ok(v) for v in present), len(present)
+
+
+def _judged(row: dict, what: str, key: str, ok, goal: str, n: int) -> str:
+    """``row[key]`` (a median over ``n`` repeats) judged by ``ok``: met or not, in how many
+    repeats, and whether the spread straddles the goal."""
+    v, values = row.get(key), row.get(f"{key}_values") or [row.get(key)]
+    if v is None:
+        return f"- {what}: n/a ({goal})."
+    k, m = _met(values, ok)
+    lo, hi = row.get(f"{key}_range") or (v, v)
+    straddle = " (the spread straddles it)" if ok(lo) != ok(hi) else ""
+    return (f"- {what}: median {v:.2f}, {lo:.2f}-{hi:.2f} over {n} repeats ({goal}: "
+            f"{'met' if ok(v) else 'not met'}, met in {k} of {m}{straddle}).")
+
+
+def _sharded_targets(rows: list[dict], n: int, prof: str) -> list[str]:
+    """The targets of sharded replicas against native HSDP (the runs' baseline): time to
+    its loss, bytes across the link (int8), torchft's DiLoCo at the same period, memory."""
+    by = {r["variant"]: r for r in rows}
+    ours = [r for r in rows if _ours(r["variant"]) and VARIANT_SPECS[r["variant"]].fsdp]
+    if not ours:
+        return []
+    out = [f"Targets of sharded replicas ({prof}), against native HSDP:"]
+    for r in ours:
+        out.append(_judged(r, f"`{r['variant']}` x sooner than native HSDP",
+                           "ttt_speedup_vs_ddp", lambda x: x >= 2.0, "target >= 2x", n))
+    for r in ours:
+        if "int8" in (VARIANT_SPECS[r["variant"]].hook or ""):
+            out.append(_judged(r, f"`{r['variant']}` x fewer bytes across the link to HSDP's "
+                               "loss", "bytes_saving_vs_ddp", lambda x: x >= 8.0,
+                               "target >= 8x", n))
+    if "fsdp_diloco" in by:
+        out.append(_judged(by["fsdp_diloco"], "`fsdp_diloco` x sooner than torchft's DiLoCo "
+                           "on the same FSDP2 model, same period", "vs_torchft",
+                           lambda x: x > 1.0, "target: ahead", n))
+    if "fsdp_allreduce" in by:
+        out.append(_judged(by["fsdp_allreduce"], "`fsdp_allreduce` (exact) registration holds "
+                           "x the local shard", "held_x", lambda x: x <= 1.05,
+                           "target <= 1.05x", n))
+    return out + [""]
 
 
 def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) -> list[str]:
@@ -442,14 +507,7 @@ def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) ->
     out = []
 
     def line(what, key, ok, goal):
-        v, values = best.get(key), best.get(f"{key}_values") or [best.get(key)]
-        if v is None:
-            return f"- {what}: n/a ({goal})."
-        k, m = _met(values, ok)
-        lo, hi = best.get(f"{key}_range") or (v, v)
-        straddle = " (the spread straddles it)" if ok(lo) != ok(hi) else ""
-        return (f"- {what}: median {v:.2f}, {lo:.2f}-{hi:.2f} over {n} repeats ({goal}: "
-                f"{'met' if ok(v) else 'not met'}, met in {k} of {m}{straddle}).")
+        return _judged(best, what, key, ok, goal, n)
 
     limit = LIMIT_TARGETS.get(prof.split("+")[0])
     out.append(f"Targets of interleaved repeats ({prof}), for our best configuration "

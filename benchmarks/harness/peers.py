@@ -183,7 +183,10 @@ class TorchftDiLoCo:
     """
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, args, fragments: int,
-                 count_bytes) -> None:
+                 count_bytes, replica=None) -> None:
+        """``replica``: an FSDP2 model's meshes (``train.Shards``): each replica group of
+        ``replica.shards`` ranks is one torchft replica (one Manager per rank, the group's
+        store on its first rank); ``None``: every rank is a replica of its own."""
         from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo
 
@@ -191,15 +194,25 @@ class TorchftDiLoCo:
             raise ValueError("torchft's DiLoCo has no warm-up of gradient averaging: "
                              "run it with --warmup 0")
         rank, world = dist.get_rank(), dist.get_world_size()
+        if replica is None:
+            group, group_rank, group_world, replicas, replica_id = None, 0, 1, world, rank
+        else:
+            group, group_rank = replica.group, dist.get_rank(replica.group)
+            group_world, replicas, replica_id = replica.shards, replica.replicas, replica.replica
         timeout = timedelta(seconds=args.timeout)
         host = reachable_address()
-        self.lighthouse = Lighthouse(host, min_replicas=world) if rank == 0 else None
+        self.lighthouse = Lighthouse(host, min_replicas=replicas) if rank == 0 else None
         box = [self.lighthouse.address if self.lighthouse else None]
         dist.broadcast_object_list(box, src=0)
-        # this replica group's store (the Manager finds its server's address there; the
-        # store of the quorum's first replica also rendezvouses the cross-replica gloo)
+        # this replica group's store, on its first rank (the Manager finds its server's
+        # address there; the store of the quorum's first replica also rendezvouses the
+        # cross-replica gloo)
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timeout)
+                                   timeout=timeout) if group_rank == 0 else None
+        where = [(host, self.store.port) if self.store else None]
+        if group is not None:
+            dist.broadcast_object_list(where, group=group, group_src=0)
+        store_host, store_port = where[0]
 
         def state_dict():
             return {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -210,10 +223,11 @@ class TorchftDiLoCo:
 
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
-            state_dict=state_dict, min_replica_size=world, use_async_quorum=False,
+            state_dict=state_dict, min_replica_size=replicas, use_async_quorum=False,
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-            rank=0, world_size=1, store_addr=host, store_port=self.store.port,
-            lighthouse_addr=box[0], replica_id=f"bench_{rank}", hostname=host,
+            rank=group_rank, world_size=group_world, store_addr=store_host,
+            store_port=store_port, lighthouse_addr=box[0], replica_id=f"bench_{replica_id}",
+            hostname=host,
             init_sync=False)  # the same seed: every replica starts from the same weights
         allreduce = self.manager.allreduce
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import sysconfig
 
@@ -40,25 +41,31 @@ def wait_before_validation(steps: list[dict], wait_for_ranks, all_reduce) -> flo
 
 def gather_per_rank(steps: list[dict], train_s: float, total_bytes: int, sleep_s: float,
                     world: int) -> dict:
-    """Every rank's training time, bytes, comm wait, steps and sleep: a collective."""
+    """Every rank's training time, bytes, comm wait, steps, sleep and peak resident memory
+    (the process's, so far): a collective."""
     comm_s = sum(r["comm_s"] for r in steps)
-    mine = torch.tensor([train_s, float(total_bytes), comm_s, float(len(steps)), sleep_s],
-                        dtype=torch.float64)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux
+    mine = torch.tensor([train_s, float(total_bytes), comm_s, float(len(steps)), sleep_s,
+                         peak_rss], dtype=torch.float64)
     all_ranks = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(all_ranks, mine)
     return dict(per_rank_train_s=[float(t[0]) for t in all_ranks],
                 per_rank_bytes=[int(t[1]) for t in all_ranks],
                 per_rank_comm_s=[float(t[2]) for t in all_ranks],
                 per_rank_steps=[int(t[3]) for t in all_ranks],
-                per_rank_sleep_s=[float(t[4]) for t in all_ranks])
+                per_rank_sleep_s=[float(t[4]) for t in all_ranks],
+                per_rank_peak_rss_mb=[float(t[5]) / 2**20 for t in all_ranks])
 
 
 def handle_stats(handle, node_handle=None) -> dict | None:
-    """Rounds, bytes and seconds of an averaging handle (and of the node rounds' one)."""
+    """Rounds, bytes, seconds and the bytes it holds (``memory_bytes``: every kind, every
+    device) of an averaging handle, and the rounds of the node rounds' one."""
     if handle is None:
         return None
     s = handle.stats
-    stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4))
+    stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4),
+                 memory_bytes=sum(n for kind in handle.memory_bytes().values()
+                                  for n in kind.values()))
     if node_handle is not None:  # bytes inside a node vs bytes of the global rounds
         n = node_handle.stats
         stats["node"] = dict(rounds=n.rounds, bytes_sent=n.bytes_sent, seconds=round(n.seconds, 4))

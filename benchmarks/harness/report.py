@@ -113,7 +113,9 @@ def comm_wait(summary: dict) -> float:
     return summary["comm_share"] - (waited / max(summary["train_s"], 1e-12) if waited else 0.0)
 
 
-PEERS = {"pma": "torch_localsgd", "powersgd": "ddp_powersgd", "torchft": "torchft_diloco"}
+#: the peers ``vs_<key>`` compares with: the first of the variants that ran
+PEERS = {"pma": ("torch_localsgd",), "powersgd": ("ddp_powersgd",),
+         "torchft": ("torchft_diloco", "torchft_fsdp_diloco")}
 
 
 def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
@@ -139,8 +141,9 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
     base_steps = steps_to_target(base, target, interpolate) if base else None
     none_mean = runs[none]["summary"]["mean_step_s"] if none in runs else None
     limit = base_steps * none_mean if base_steps and none_mean else None
-    peer_ttt = {k: time_to_target(runs[v], target, interpolate) if v in runs and base else None
-                for k, v in PEERS.items()}
+    peer_of = {k: next((v for v in names if v in runs), None) for k, names in PEERS.items()}
+    peer_ttt = {k: time_to_target(runs[v], target, interpolate) if v and base else None
+                for k, v in peer_of.items()}
     rows = []
     for name, run in runs.items():
         s = run["summary"]
@@ -152,6 +155,11 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
                    if s.get("wire_bytes_per_step") is not None else None,
                    comm_share=comm_wait(s),
                    speedup=(base_step / s["mean_step_s"]) if base_step else None)
+        rss, held = s.get("per_rank_peak_rss_mb"), (s.get("handle_stats") or {}).get("memory_bytes")
+        row["peak_rss_mb"] = max(rss) if rss else None
+        row["param_mb"] = s["param_bytes"] / 2**20 if s.get("param_bytes") else None
+        row["held_x"] = held / s["param_bytes"] if held is not None and s.get("param_bytes") \
+            else None
         local = s.get("median_local_step_s")
         row["local_overhead"] = ((local / none_step) if local and none_step and name != none
                                  else None)
@@ -175,7 +183,7 @@ def summarize(runs: dict[str, dict], baseline: str = "ddp", none: str = "none",
                 row["step_time_x"] = (ttt / stt) / none_mean if ttt and stt and none_mean else None
                 for key, peer_t in peer_ttt.items():
                     row[f"vs_{key}"] = peer_t / ttt if ttt and peer_t and \
-                        name != PEERS[key] else None
+                        name != peer_of[key] else None
         row["breakdown"] = s.get("breakdown")
         rows.append(row)
     return rows
@@ -185,7 +193,7 @@ RANGED = ("steps", "median_step_ms", "mean_step_ms", "comm_share", "local_overhe
           "time_to_target_s", "steps_to_target", "ttt_speedup_vs_ddp", "ttt_speedup_vs_torch",
           "x_of_limit", "steps_x", "step_time_x", "vs_pma", "vs_powersgd", "vs_torchft",
           "limit_s", "mb_to_target", "bytes_saving_vs_ddp", "val_at_budget", "gap_pct",
-          "final_val_loss")
+          "final_val_loss", "peak_rss_mb", "held_x")
 
 
 def aggregate(rows_per_repeat: list[list[dict]]) -> list[dict]:
@@ -288,6 +296,12 @@ BREAKDOWN_COLUMNS = [("variant", "variant", "s"), ("step ms", "mean_step_ms", ".
                      ("of which gradient-sync wait ms", "grad_wait_ms", ".1f"),
                      ("optimizer ms", "opt_ms", ".1f"), ("averaging call ms", "avg_ms", ".1f"),
                      ("other threads' CPU ms", "other_cpu_ms", ".1f")]
+
+#: memory per rank: the parameters it holds, what the averaging registration holds over
+#: them, the process's peak resident set
+MEMORY_COLUMNS = [("variant", "variant", "s"), ("parameters held MB", "param_mb", ".2f"),
+                  ("registration holds x", "held_x", ".2f"),
+                  ("peak RSS MB (max over ranks)", "peak_rss_mb", ".0f")]
 
 BENCH_COLUMNS = [("variant", "variant", "s"), ("steps", "steps", "d"),
                  ("median step ms", "median_step_ms", ".1f"),

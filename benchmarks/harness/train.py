@@ -44,6 +44,13 @@ next to this file), listed here in its order:
 - ``hierarchical``: exact rounds inside each node (torchrun's ``LOCAL_WORLD_SIZE`` ranks)
   every ``--intra-period`` steps, and across all ranks every ``--period``
   (``hierarchy.node_groups``, two registrations on one model);
+- the model ``fully_shard``-ed per transformer block (FSDP2; ``--fsdp-shards`` ranks per
+  replica group, default torchrun's ``LOCAL_WORLD_SIZE``): ``hsdp_native``, native HSDP
+  over a 2-D (replicate, shard) mesh (gradients all-reduced across the replica groups at
+  every step); ``fsdp_none``, the replica groups never synchronize; ``fsdp_allreduce``,
+  ``fsdp_int8``, ``fsdp_int8_streaming``, ``fsdp_diloco``: ours over the replicate group
+  (``grad_hooks.register_fsdp_grad_hooks``); ``torchft_fsdp_diloco``: torchft's DiLoCo,
+  one replica per group;
 - ``allreduce_timed``, ``fp16_timed``, ``allreduce_timed_equal``, ``fp16_timed_overlap``,
   ``fp16_timed_equal_overlap``: rounds every ``--round-seconds`` on each rank's clock
   (``schedules.EverySeconds``, ranks weighted by their steps or equally; the last two
@@ -314,13 +321,17 @@ def _outer_state(dah, args):
     return dah.hooks.OuterOptimizerState(None, lr=args.outer_lr, momentum=args.outer_momentum)
 
 
-def _our_state(dah, spec: variants.VariantSpec, args):
-    """The state ``spec.state`` names, for our hooks."""
+def _our_state(dah, spec: variants.VariantSpec, args, group=None):
+    """The state ``spec.state`` names, for our hooks, averaging over ``group`` (``None``:
+    the default group)."""
     if spec.state == "powersgd":
         return _powersgd_state(dah, args, rank=spec.powersgd_rank)
     if spec.state == "outer":
-        return _outer_state(dah, args)
-    return None
+        return dah.hooks.OuterOptimizerState(group, lr=args.outer_lr,
+                                             momentum=args.outer_momentum)
+    if group is not None and "int8" in (spec.hook or "") + (spec.inner_hook or ""):
+        return dah.hooks.QuantizedDeltaState(process_group=group)
+    return group
 
 
 def _torch_comm_hook(path: str):
@@ -380,12 +391,70 @@ def delayed_hook(hook, seconds: float):
     return delayed
 
 
+class Shards:
+    """An FSDP2 model's meshes: ``shards`` ranks per replica group, consecutive ranks."""
+
+    def __init__(self, args, native: bool) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        self.shards = args.fsdp_shards or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if world % self.shards:
+            raise ValueError(f"--fsdp-shards {self.shards} must divide the world size {world}")
+        self.replicas = world // self.shards
+        self.mesh = init_device_mesh("cpu", (self.replicas, self.shards),
+                                     mesh_dim_names=("replicate", "shard"))
+        self.native = native
+        self.replicate = self.mesh["replicate"].get_group()
+        self.group = self.mesh["shard"].get_group()
+        self.replica = dist.get_rank() // self.shards
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """``fully_shard`` each block and the root: over the 2-D mesh (native HSDP) or the
+        replica group's 1-D shard mesh."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.mesh if self.native else self.mesh["shard"]
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+
+def _fsdp_variant(name: str, spec, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
+    """An FSDP2 variant (``model`` is already sharded as ``spec.fsdp`` says)."""
+    shards = model.bench_shards
+    if spec.family == variants.NONE:  # native HSDP syncs inside FSDP; fsdp_none never
+        return Variant(name, model, model)
+    if spec.library == "torchft":
+        def count(n: int) -> None:
+            meter.bytes += n
+        peer = _peers().TorchftDiLoCo(model, opt, args, count_bytes=count, fragments=1,
+                                      replica=shards)
+        _CLOSE.append(peer.close)
+        return Variant(name, model, model, peer.after_step, take_comm_s=peer.take_comm_s)
+    dah, hook = _need_dah(spec.hook, name)
+    if spec.inner_hook is not None:
+        hook = hook(getattr(dah.hooks, spec.inner_hook))
+    options = {"fragments": args.fragments} if spec.fragments else {}
+    if spec.overlap and args.mixing is not None:
+        options["mixing"] = args.mixing
+    handle = dah.register_averaging_hook(
+        model, hook, _our_state(dah, spec, args, group=shards.replicate), period=args.period,
+        warmup_steps=args.warmup, bucket_cap_mb=args.bucket_cap_mb, overlap=spec.overlap,
+        **options)
+    dah.grad_hooks.register_fsdp_grad_hooks(model, handle)
+    return Variant(name, model, model, handle.step, handle)
+
+
 def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
     """Wrap ``model`` (DDP, hooks, a peer library) as the record of ``--hook name`` says."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     spec = VARIANTS[name]
+    if spec.fsdp:
+        return _fsdp_variant(name, spec, model, opt, meter, args)
     if spec.family == variants.NONE:
         return Variant(name, model, model)
     if spec.library == "torchft":  # one replica group per rank: no DDP inside it
@@ -495,6 +564,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="hierarchical: ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--fsdp-shards", type=int, default=None,
+                   help="FSDP2 variants: ranks per replica group (default: torchrun's "
+                        "LOCAL_WORLD_SIZE, so that each node is one replica group)")
     p.add_argument("--eval-every", type=int, default=32,
                    help="validate the ranks' average model every N steps (0: only at the end)")
     p.add_argument("--eval-batches", type=int, default=8)
@@ -559,6 +631,25 @@ class ConsensusEval:
         return evaluate(self.shadow, val, args)
 
 
+class ShardedConsensusEval:
+    """:class:`ConsensusEval` of an FSDP2 model: the full parameters (gathered inside each
+    replica group) averaged over the replica groups, into a plain copy of the model; rank
+    0's replica group's own when ``consensus`` is off."""
+
+    def __init__(self, module: nn.Module, shadow: nn.Module, consensus: bool) -> None:
+        self.module, self.shadow, self.consensus = module, shadow, consensus
+
+    @torch.no_grad()
+    def __call__(self, val: torch.Tensor, args, all_reduce) -> float:
+        from torch.nn.utils import vector_to_parameters
+        flat = torch.cat([p.full_tensor().reshape(-1) for p in self.module.parameters()])
+        if self.consensus:
+            all_reduce(flat)
+            flat.div_(dist.get_world_size())
+        vector_to_parameters(flat, self.shadow.parameters())
+        return evaluate(self.shadow, val, args)
+
+
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     try:
@@ -586,6 +677,12 @@ def main(argv=None) -> dict | None:
         # work objects left to interpreter finalization can abort the process at exit
         gc.collect()
         dist.destroy_process_group()
+
+
+def local_param_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds: its local shards of an FSDP2 model."""
+    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes
+               for p in model.parameters())
 
 
 def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: float):
@@ -622,17 +719,27 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     train_data, val_data = split(load_corpus(args.corpus_bytes), args.val_frac)
     model = CharTransformer(args.d_model, args.n_layers, args.n_heads, args.context)
     n_params = sum(p.numel() for p in model.parameters())
+    spec = VARIANTS[args.hook]
+    shadow = None
+    if spec.fsdp:  # sharded before the optimizer sees the parameters
+        import copy
+        shadow = copy.deepcopy(model)  # the plain model validation loads the full weights into
+        shards = Shards(args, native=spec.fsdp == "native")
+        model = shards.shard(model)
+        model.bench_shards = shards
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
-    spec = VARIANTS[args.hook]
     variant = build_variant(args.hook, model, opt, meter, args)
     ops_backend = None
     if spec.ours:  # load (or build: ~1 min) the extension now, not in round 0
         from ddp_avg_hooks import ops
         ops_backend = ops.backend()
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank: its own data
-    consensus_eval = ConsensusEval(model, consensus=spec.family != variants.NONE)
+    if spec.fsdp:
+        consensus_eval = ShardedConsensusEval(model, shadow, consensus=args.hook != "fsdp_none")
+    else:
+        consensus_eval = ConsensusEval(model, consensus=spec.family != variants.NONE)
     raw_all_reduce = dist.all_reduce
     meter.install()
     wire_if = os.environ.get("DAH_WIRE_IFACE")
@@ -733,7 +840,8 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     summary = records.summarize(
         steps, evals, rank=rank, world=world, meter=meter, slow=slow,
         handles=(variant.handle, variant.node_handle), train_s=train_s, total_bytes=total_bytes,
-        val_wait_s=val_wait_s, wire=(wire0, wire1), stopped_by=stopped_by, eval_s=eval_s)
+        val_wait_s=val_wait_s, wire=(wire0, wire1), stopped_by=stopped_by, eval_s=eval_s,
+        param_bytes=local_param_bytes(model))
     if summary is None:  # not rank 0
         return None
     result = records.run_result(args, world=world, n_params=n_params, wire_if=wire_if,

@@ -41,7 +41,12 @@ class VariantSpec:
     - ``period_divisor``: rounds every ``max(1, --period // period_divisor)`` steps;
     - ``weighting``: ``TIMED``: the ``EverySeconds`` weighting (``"steps"``, ``"equal"``);
     - ``library``, ``needs``: ``PEER``: ``"torchft"`` or ``"accelerate"``, and the modules
-      it imports.
+      it imports;
+    - ``fsdp``: the model is FSDP2-sharded per transformer block: ``"native"`` over a 2-D
+      (replicate, shard) mesh, native HSDP (gradients all-reduced across replica groups at
+      every step); ``"shards"`` over a 1-D shard mesh per replica group (``--fsdp-shards``
+      ranks, default torchrun's ``LOCAL_WORLD_SIZE``), the replica groups averaged by
+      ``hook`` over the replicate group, or not at all (family ``NONE``).
     """
 
     name: str
@@ -56,10 +61,13 @@ class VariantSpec:
     weighting: str | None = None
     library: str | None = None
     needs: tuple[str, ...] = ()
+    fsdp: str | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"{self.name}: unknown family {self.family!r}")
+        if self.fsdp not in (None, "native", "shards"):
+            raise ValueError(f"{self.name}: fsdp must be None, 'native' or 'shards'")
 
     @property
     def ours(self) -> bool:
@@ -114,6 +122,16 @@ _SPECS = (
     VariantSpec("diloco_int4_streaming", OURS, hook="outer_optimizer",
                 inner_hook="int4_compress_hook", state="outer", fragments=True),
     VariantSpec("hierarchical", HIERARCHICAL, hook="allreduce_hook"),
+    # FSDP2 replica groups: native HSDP, no sync across groups, ours, torchft's DiLoCo
+    VariantSpec("hsdp_native", NONE, fsdp="native"),
+    VariantSpec("fsdp_none", NONE, fsdp="shards"),
+    VariantSpec("fsdp_allreduce", OURS, hook="allreduce_hook", fsdp="shards"),
+    VariantSpec("fsdp_int8", OURS, hook="int8_compress_hook", fsdp="shards"),
+    VariantSpec("fsdp_int8_streaming", OURS, hook="int8_compress_hook", overlap=True,
+                fragments=True, fsdp="shards"),
+    VariantSpec("fsdp_diloco", OURS, hook="outer_optimizer", inner_hook="allreduce_hook",
+                state="outer", fsdp="shards"),
+    VariantSpec("torchft_fsdp_diloco", PEER, library="torchft", needs=_TORCHFT, fsdp="shards"),
     VariantSpec("allreduce_timed", TIMED, hook="allreduce_hook", weighting="steps"),
     VariantSpec("fp16_timed", TIMED, hook="fp16_compress_hook", weighting="steps"),
     VariantSpec("allreduce_timed_equal", TIMED, hook="allreduce_hook", weighting="equal"),
