@@ -113,6 +113,9 @@ def main(argv=None) -> int:
                         "by one per repeat; ratios are computed within a repeat and reported as "
                         "the median (min-max) over the repeats")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-args", default="",
+                   help="more flags for every training run (harness/train.py's, e.g. "
+                        "'--mixing 0.5 --fragments 2'); a variant's own flags come after")
     p.add_argument("--baseline", default="ddp",
                    help="the variant whose final loss is the target and whose budget is --steps "
                         "(the FSDP2 runs: hsdp_native)")
@@ -171,7 +174,8 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     common = ["--preset", a.preset, "--period", str(a.period), "--warmup", str(a.warmup),
               "--lr", str(a.lr),
-              "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--progress", "off"]
+              "--eval-every", str(a.eval_every), "--seed", str(a.seed), "--progress", "off",
+              *shlex.split(a.train_args)]
     all_runs: dict[str, list[dict[str, dict]]] = {prof.name: [] for prof in profiles}
     network_of: dict[str, str] = {}
     for rep in range(a.repeats):
