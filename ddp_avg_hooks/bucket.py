@@ -48,6 +48,11 @@ class BucketRound:
         self._deferred: list | None = [] if deferring else None
         self._to_background: list = []
 
+    @property
+    def deferring(self) -> bool:
+        """Whether calls are kept for :meth:`take_deferred` (else :meth:`defer` runs them)."""
+        return self._deferred is not None
+
     def defer(self, fn: Callable[[], None], *, background: bool = False) -> None:
         """Keep ``fn`` for :meth:`take_deferred` (or for the background thread), or run it
         at once when not deferring."""
@@ -142,8 +147,8 @@ class ParamBucket:
 
     @property
     def state_device(self) -> torch.device:
-        """Where anchors and hook memory live: the parameters' device, or the CPU with
-        ``offload_state=True``."""
+        """The device where anchors and hook memory live (the parameters' device, or the
+        CPU with ``offload_state=True``)."""
         return self._storage.state_device
 
     @property
@@ -309,14 +314,14 @@ class ParamBucket:
 
     @property
     def result_is_delta(self) -> bool:
-        """What this round's result has been declared to be so far: ``True`` after
-        :meth:`mark_result_as_delta` (a wrapper reads it after calling the inner hook)."""
+        """Whether this round's result has been declared a delta so far (``True`` after
+        :meth:`mark_result_as_delta`); a wrapper reads it after calling the inner hook."""
         return self._round.result_is_delta
 
     @property
     def overlapped(self) -> bool:
-        """True when this round runs while training goes on: the hook must not wait for
-        its collectives (they complete while later steps run)."""
+        """True when this round runs while training goes on; the hook must then not wait
+        for its collectives (they complete while later steps run)."""
         return self._round.overlapped
 
     def defer(self, fn: Callable[[], None], *, background: bool = False) -> None:
@@ -346,7 +351,7 @@ class ParamBucket:
         issues (see :meth:`defer`); ``group`` itself outside such a round. Made at the first
         call, collective over ``group``'s members (every member asks at the same round)."""
         rnd = self._round
-        if rnd.background is None or rnd._deferred is None or self.device.type != "cpu":
+        if rnd.background is None or not rnd.deferring or self.device.type != "cpu":
             return group
         return rnd.background.private(group)
 

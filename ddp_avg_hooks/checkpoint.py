@@ -22,11 +22,12 @@ What it guarantees:
   naming both sizes (a rank's files hold its own error feedback and local progress:
   they cannot be merged or split exactly). One of another model is refused naming the
   checkpoint and the first parameter that differs, before anything is loaded. A folder
-  that holds completed rounds but cannot be resumed makes :meth:`restore` raise
-  :class:`~ddp_avg_hooks.errors.CheckpointError` rather than start over and overwrite
-  it; saving into such a folder without :meth:`restore` is refused the same way. A save
-  prunes old rounds only once its own files are on disk and verified, and keeps the
-  ``keep`` newest rounds every rank completed.
+  that holds completed rounds but cannot be resumed makes
+  :meth:`RoundCheckpointer.restore` raise :class:`~ddp_avg_hooks.errors.CheckpointError`
+  rather than start over and overwrite it; saving into such a folder without
+  :meth:`RoundCheckpointer.restore` is refused the same way. A save prunes old rounds
+  only once its own files are on disk and verified, and keeps the ``keep`` newest rounds
+  every rank completed.
 
 What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
 

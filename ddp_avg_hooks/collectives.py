@@ -73,7 +73,9 @@ class Background:
     Example:
         >>> done = []
         >>> bg = Background()
-        >>> bg.submit(lambda: done.append(1)); bg.drain(); done
+        >>> bg.submit(lambda: done.append(1)); bg.drain()  # True: every call has run
+        True
+        >>> done
         [1]
     """
 

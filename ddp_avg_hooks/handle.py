@@ -68,7 +68,7 @@ def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str
 
 
 class AveragingHandle:
-    """What :func:`register_averaging_hook` returns: the schedule and the rounds.
+    """What :func:`~ddp_avg_hooks.register_averaging_hook` returns: the schedule and the rounds.
 
     Call :meth:`step` after every optimizer step (or register with ``optimizer=``).
     Averaging happens at step ``s`` (the number of earlier ``step()`` calls) iff
@@ -142,7 +142,7 @@ class AveragingHandle:
 
     @property
     def sharded(self) -> bool:
-        """Whether the model is an FSDP2 one: each rank averages its local shards."""
+        """Whether the model is an FSDP2 one (each rank averages its local shards)."""
         return self._model is not None and self._model.sharded
 
     @property
@@ -193,7 +193,7 @@ class AveragingHandle:
 
     @property
     def rounds_started(self) -> int:
-        """Rounds launched so far: the same on every rank after every step, overlap or not
+        """Rounds launched so far, the same on every rank after every step, overlap or not
         (``stats.rounds`` counts the finished ones)."""
         return self._rounds_started
 

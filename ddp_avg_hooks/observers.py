@@ -82,7 +82,7 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
 
 
 def bucket_checksum(bucket, *, anchor: bool = False) -> torch.Tensor:
-    """:func:`_checksum` of a bucket's parameters (as if flattened: integer sums add up),
+    """The exact checksum of a bucket's parameters (as if flattened: integer sums add up),
     or of its stored anchor."""
     if anchor:
         return _checksum(bucket.stored_anchor())
@@ -148,7 +148,7 @@ class RoundCallback(RoundObserver):
 class Reporter:
     """Runs a registration's observers around each finished round.
 
-    Collective reports of an overlapped round wait in :attr:`deferred` until
+    Collective reports of an overlapped round wait in ``deferred`` until
     :meth:`report_deferred`, which the handle calls at the next step all ranks share.
     """
 
@@ -173,6 +173,7 @@ class Reporter:
                 observer.report(handle, number, m)
 
     def report_deferred(self, handle) -> None:
+        """Report the collective measurements an overlapped round left waiting."""
         deferred, self.deferred = self.deferred, []
         for observer, number, m in deferred:
             observer.report(handle, number, m)

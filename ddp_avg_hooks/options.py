@@ -2,7 +2,7 @@
 
 :func:`~ddp_avg_hooks.register_averaging_hook` builds one from its arguments; nothing
 else checks them. Each field carries its documentation (``AveragingOptions.doc(name)``,
-and the README's table of options is :func:`markdown_table`), and
+and the documentation's table of options is :func:`markdown_table`), and
 :attr:`AveragingOptions.AGREED` lists the fields every rank of the averaging group
 must set alike, because they change the collectives or the result.
 
@@ -115,8 +115,8 @@ class AveragingOptions:
         "halves the replicas' distance at each round instead of carrying it; `0.5` is the "
         "setting to start from when rounds take a large part of the period"), agreed=True)
 
-    #: the fields every rank of the averaging group must set alike: they change the
-    #: collectives a round issues or the result it writes
+    #: the fields every rank of the averaging group must set alike, since they change
+    #: the collectives a round issues or the result it writes
     AGREED = ()  # filled in below, from the fields' declarations
 
     def __post_init__(self) -> None:
@@ -238,7 +238,7 @@ AveragingOptions.AGREED = tuple(f.name for f in dataclasses.fields(AveragingOpti
 
 
 def markdown_table() -> str:
-    """The options as a Markdown table (option, default, meaning), as the README shows them.
+    """The options as a Markdown table (option, default, meaning), as the docs show them.
 
     Example:
         >>> markdown_table().splitlines()[0]

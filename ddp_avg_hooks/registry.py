@@ -98,7 +98,7 @@ def register_averaging_hook(
 ) -> AveragingHandle:
     """Average ``ddp_model``'s parameters every ``period`` steps with ``hook``.
 
-    ``hook(state, bucket)`` is called per :class:`ParamBucket` and returns a
+    ``hook(state, bucket)`` is called per :class:`~ddp_avg_hooks.ParamBucket` and returns a
     ``torch.futures.Future`` of the bucket's new flat parameters, which are copied into
     the parameters in place. Collective: every rank of the averaging group calls it,
     with the same hook, period, warm-up and model, or every rank raises.

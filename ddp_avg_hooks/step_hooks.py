@@ -1,4 +1,5 @@
-"""Running :meth:`AveragingHandle.step` after each ``optimizer.step()`` (``optimizer=``)."""
+"""Running :meth:`AveragingHandle.step <ddp_avg_hooks.AveragingHandle.step>` after each
+``optimizer.step()`` (``optimizer=``)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@
   is API: it is public);
 * no module reads another object's ``_private`` attribute through ``bucket._x`` /
   ``handle._x`` / ``state._x``;
-* the README's Layout table lists every module, and its table of options is the one
-  ``AveragingOptions`` generates.
+* the docs' Layout table (``docs/guide/layout.md``) lists every module, every public
+  module has an API page, and the options page shows the table ``AveragingOptions``
+  generates (``tests/test_docs.py`` checks the built pages).
 """
 
 from __future__ import annotations
@@ -92,31 +93,36 @@ def test_no_module_reads_private_attributes_of_other_objects(path):
     assert not hits, f"{_name(path)}: {hits}"
 
 
-def _readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end]
+LAYOUT_PAGE = ROOT / "docs" / "guide" / "layout.md"
 
 
-def test_readme_layout_lists_every_module():
-    table = [line for line in _readme_section("Layout").splitlines() if line.startswith("| `")]
+def test_layout_page_lists_every_module():
+    table = [line for line in LAYOUT_PAGE.read_text().splitlines() if line.startswith("| `")]
     listed = set(re.findall(r"`([\w/]+\.py)`", "\n".join(table)))
     for path in MODULES:
         rel = path.relative_to(PACKAGE).as_posix()
         if rel.endswith("__init__.py"):
             continue
-        assert rel in listed or path.name in listed, f"README Layout does not list {rel}"
+        assert rel in listed or path.name in listed, f"{LAYOUT_PAGE.name} does not list {rel}"
     for name in listed:
         assert any(p.relative_to(PACKAGE).as_posix() == name or p.name == name
-                   for p in MODULES), f"README Layout lists {name}, which does not exist"
+                   for p in MODULES), f"{LAYOUT_PAGE.name} lists {name}, which does not exist"
 
 
-def test_readme_options_table_is_the_generated_one():
-    text = (ROOT / "README.md").read_text()
-    begin, end = "<!-- options table: generated -->\n", "\n<!-- end of options table -->"
-    assert begin in text and end in text
-    table = text[text.index(begin) + len(begin): text.index(end)]
-    assert table == markdown_table(), (
-        "the README's options table differs from ddp_avg_hooks.options.markdown_table(); "
-        "paste its output between the markers")
+def test_every_public_module_has_an_api_page():
+    pages = {module for page in (ROOT / "docs" / "api").glob("*.rst")
+             for module in re.findall(r"^\.\. automodule:: (\S+)$", page.read_text(), flags=re.M)}
+    modules = {_name(p).removesuffix(".__init__") for p in MODULES}
+    public = {m for m in modules if not any(part.startswith("_") for part in m.split(".")[1:])}
+    assert public - pages == set(), "modules without an API page in docs/api"
+    assert pages - public == set(), "API pages of modules that do not exist or are private"
+
+
+def test_options_table_is_generated_into_the_docs():
+    """The options page renders ``markdown_table()`` at build time (the ``options-table``
+    directive of docs/conf.py); nothing holds a hand-copied table to drift."""
+    page = (ROOT / "docs" / "guide" / "options.md").read_text()
+    assert "```{options-table}\n```" in page
+    header = markdown_table().splitlines()[0]
+    for path in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        assert header not in path.read_text(), f"{path.name} holds a copy of the options table"

@@ -61,7 +61,7 @@ from ..collectives import allreduce_sum, completed
 from ..protocol import averaging_hook
 from ._delta import DeltaHookFamily, DeltaState
 
-#: The residual's dtype when none is given: it loses at most 2**-8 of what it carries.
+#: The residual's dtype when none is given; it loses at most 2**-8 of what it carries.
 DEFAULT_RESIDUAL_DTYPE = torch.bfloat16
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

@@ -57,7 +57,7 @@ from ..protocol import HookSpec, SPEC_ATTRIBUTE, hook_name, hook_spec
 from ..trees import clone_tree
 from ._per_bucket import PerBucket
 
-#: DiLoCo's outer optimizer: SGD with Nesterov momentum (Douillard et al., 2023).
+#: DiLoCo's outer optimizer, SGD with Nesterov momentum (Douillard et al., 2023).
 DILOCO_DEFAULTS = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
@@ -76,7 +76,8 @@ class OuterOptimizerState:
 
     Args:
         inner_state: the state the inner hook takes (``None``, a ``ProcessGroup``, a
-            :class:`HalfDeltaState`, a :class:`PowerSGDState`, ...). Its process group is
+            :class:`~ddp_avg_hooks.hooks.HalfDeltaState`, a
+            :class:`~ddp_avg_hooks.hooks.PowerSGDState`, ...). Its process group is
             the one this state reports as ``process_group``.
         optimizer: the outer optimizer. ``None`` (default): ``torch.optim.SGD`` with
             DiLoCo's ``lr=0.7, momentum=0.9, nesterov=True``, each overridable by

@@ -43,9 +43,10 @@ class LocalSGD:
             with several processes).
         local_sgd_steps: the period, in optimizer steps.
         enabled: ``False`` makes everything a no-op (as it is with a single process).
-        hook, state, warmup_steps, **options: as for
+        hook, state, warmup_steps: as for
             :func:`~ddp_avg_hooks.register_averaging_hook`. During the ``warmup_steps``
             first steps gradients are averaged as usual; after them they stay local.
+        **options: the other options of :func:`~ddp_avg_hooks.register_averaging_hook`.
         optimizer: the prepared optimizer, whose state every rank saves with
             ``accelerator.save_state`` (see the module); it does not step the handle,
             ``step()`` does.

@@ -30,9 +30,10 @@ class AveragingCallback(Callback):
     """Average the DDP replicas' parameters every ``period`` optimizer steps.
 
     Args:
-        hook, state, period, warmup_steps, **options: as for
+        hook, state, period, warmup_steps: as for
             :func:`~ddp_avg_hooks.register_averaging_hook` (``optimizer=`` is the
             trainer's).
+        **options: the other options of :func:`~ddp_avg_hooks.register_averaging_hook`.
         optimizer_index: with several optimizers (manual optimization), the one whose
             steps are the schedule's steps; with one, that one (the default).
         grad_sync_after_warmup: keep DDP's gradient all-reduce after the warm-up too

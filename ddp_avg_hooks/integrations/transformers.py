@@ -123,9 +123,11 @@ def add_local_sgd(trainer, hook: Callable = hooks.allreduce_hook, state=None, *,
 
     Args:
         trainer: a ``transformers.Trainer``.
-        hook, state, period, warmup_steps, **options: as for
-            :func:`~ddp_avg_hooks.register_averaging_hook`, plus ``grad_sync_after_warmup``
-            and ``average_at_end`` (see :class:`LocalSGDCallback`).
+        hook, state, period, warmup_steps: as for
+            :func:`~ddp_avg_hooks.register_averaging_hook`.
+        **options: the other options of :func:`~ddp_avg_hooks.register_averaging_hook`,
+            plus ``grad_sync_after_warmup`` and ``average_at_end`` (see
+            :class:`LocalSGDCallback`).
 
     Example::
 
