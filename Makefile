@@ -12,12 +12,12 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 TEST_WORKERS ?= 2
 PYTEST_FLAGS ?=
 
-.PHONY: install ext lint test demo bench bench-sweep clean
+.PHONY: install ext lint docs test demo package package-check bench bench-sweep clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo,integrations,peers]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(PIP_FLAGS) -e ".[test,demo,integrations,peers,docs,release]" "$(TORCH_SPEC)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,11 +28,27 @@ ext: install
 lint: install
 	$(PY) -m ruff check .
 
-test: ext lint
+# The user guide and the API reference, into docs/_build/html; any warning (a broken
+# reference, a docstring that does not parse) fails the build.
+docs: install
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+
+test: ext lint docs
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_FLAGS)
 
 demo: ext
 	PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m harness.demo
+
+# An sdist and a wheel in dist/, checked by twine; package-check installs the wheel into a
+# fresh venv outside the repository (with $(TORCH_SPEC)) and runs the README's example there.
+package: install
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	$(PY) -m twine check --strict dist/*
+
+package-check: package
+	$(PY) tools/package_check.py dist/ddp_avg_hooks-*.whl --torch "$(TORCH_SPEC)" \
+	  $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 
 # The end-to-end benchmarks (about an hour on 2 cores; needs root for
 # the network namespaces, else loopback only). `make bench-sweep`: DiLoCo's tuning sweep.
@@ -80,4 +96,4 @@ bench-sweep: ext
 	$(PY) benchmarks/bench_diloco_sweep.py --sweep period8
 
 clean:
-	rm -rf $(VENV) .torch_extensions build *.egg-info
+	rm -rf $(VENV) .torch_extensions build dist docs/_build *.egg-info

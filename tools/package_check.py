@@ -1,0 +1,103 @@
+"""Install a built wheel into a fresh virtual environment and run the README's example.
+
+    python tools/package_check.py dist/ddp_avg_hooks-*.whl [--torch 'torch==2.13.0']
+                                  [--find-links /opt/wheels] [--keep]
+
+In a new temporary folder, outside the repository: a virtual environment, the given torch
+and the wheel. Then, from that folder:
+
+1. ``ddp_avg_hooks`` imports from the environment (not the repository), with its
+   ``__version__`` and every file of the repository's ``csrc/``;
+2. the extension builds from those sources (skipped with ``DDP_AVG_HOOKS_DISABLE_EXT=1``,
+   for a machine without a C++ compiler);
+3. the README's training example runs under
+   ``python -m torch.distributed.run --standalone --nproc-per-node 2`` and both ranks
+   print their ``AveragingStats``.
+
+``make package-check`` runs it on the wheel ``make package`` built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        sys.exit(f"package check failed: {message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("wheel", type=Path)
+    p.add_argument("--torch", default="torch==2.13.0", help="the torch requirement to install")
+    p.add_argument("--find-links", default=None, help="a folder of local wheels for pip")
+    p.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    a = p.parse_args(argv)
+    wheel = a.wheel.resolve()
+    example = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)[0]
+
+    tmp = Path(tempfile.mkdtemp(prefix="ddp_avg_hooks_package_check_"))
+    try:
+        venv = tmp / "venv"
+        python = str(venv / "bin" / "python")
+        _run([sys.executable, "-m", "venv", str(venv)])
+        links = ["--find-links", a.find_links] if a.find_links else []
+        _run([python, "-m", "pip", "install", "-q", *links, a.torch, str(wheel)])
+
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=str(tmp / "torch_extensions"))
+        where = _run([python, "-c", "import ddp_avg_hooks, pathlib; "
+                      "here = pathlib.Path(ddp_avg_hooks.__file__).parent; "
+                      "print(ddp_avg_hooks.__version__); print(here); "
+                      "print(*sorted(f.name for f in (here / 'csrc').iterdir()))"],
+                     cwd=tmp, env=env).stdout.splitlines()
+        version, location, sources = where[0], Path(where[1]), set(where[2].split())
+        _check(location.resolve().is_relative_to(venv.resolve()),
+               f"imported from {location}, not from the wheel")
+        missing = {f.name for f in (ROOT / "csrc").iterdir() if f.is_file()} - sources
+        _check(not missing, f"the installed package lacks csrc/{sorted(missing)}")
+        print(f"ddp_avg_hooks {version} from {location}, csrc: {len(sources)} files")
+
+        if env.get("DDP_AVG_HOOKS_DISABLE_EXT", "") in ("", "0"):
+            backend = _run([python, "-c", "from ddp_avg_hooks import ops; print(ops.backend())"],
+                           cwd=tmp, env=env).stdout.split()[-1]
+            _check(backend == "extension",
+                   "the extension did not build from the wheel's sources (a C++ compiler is "
+                   "needed; DDP_AVG_HOOKS_DISABLE_EXT=1 checks the rest without it)")
+            print("ops backend: extension, built from the installed sources")
+
+        (tmp / "train.py").write_text(example)
+        out = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                    "2", "train.py"], cwd=tmp, env=env, timeout=600).stdout
+        stats = re.findall(r"AveragingStats\(rounds=\d+[^\n]*", out)  # ranks may interleave
+        _check(len(stats) == 2, f"expected the stats of 2 ranks, got:\n{out}")
+        print(*stats, sep="\n")
+        print(f"package check passed: {wheel.name}")
+    finally:
+        if a.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
