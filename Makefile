@@ -50,7 +50,7 @@ package-check: package
 	$(PY) tools/package_check.py dist/ddp_avg_hooks-*.whl --torch "$(TORCH_SPEC)" \
 	  $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 
-# The end-to-end benchmarks (about an hour on 2 cores; needs root for
+# The end-to-end benchmarks (about five hours on 2 cores; needs root for
 # the network namespaces, else loopback only). `make bench-sweep`: DiLoCo's tuning sweep.
 bench: ext
 	$(PY) benchmarks/bench_train.py
@@ -72,16 +72,21 @@ bench: ext
 	  $(PY) benchmarks/bench_train.py --profiles loopback+jitter --seed $$seed --eval-every 0 \
 	    --variants ddp,allreduce,fp16,allreduce_overlap,fp16_overlap --out benchmarks/results/jitter_loop_only_seed$$seed \
 	    --title "Uneven workers, jitter: the training loop alone (one validation, at the end), period 8, seed $$seed"; \
-	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
-	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8,fp16_streaming,int8_streaming,int8_streaming_half_period,diloco,torchft_diloco \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,fp16_streaming,torchft_diloco,diloco_int4 \
 	    --out benchmarks/results/slow_link_best_seed$$seed \
 	    --title "Slow link, best configurations against the peers: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --nproc 4 --repeats 3 --seed $$seed \
+	    --baseline hsdp_native --none fsdp_none \
+	    --variants hsdp_native,fsdp_none,fsdp_allreduce,fsdp_int8,fsdp_int8_streaming,fsdp_diloco,torchft_fsdp_diloco \
+	    --out benchmarks/results/fsdp_replicas_seed$$seed \
+	    --title "Sharded replicas (FSDP2): 2 replica groups of 2 ranks, the groups joined at 100 Mbit/s, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
 	    --variants ddp,none,ddp_powersgd,torch_localsgd,accelerate_localsgd,allreduce,fp16,int8,int4,fp16_streaming,int8_streaming,int4_streaming,powersgd,powersgd_r32,diloco,diloco_streaming,torchft_diloco,torchft_streaming_diloco \
 	    --out benchmarks/results/slow_link_seed$$seed \
 	    --title "Slow link, the peers side by side: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
-	  $(PY) benchmarks/bench_train.py --profiles 25mbit --seed $$seed \
-	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,fp16_streaming,diloco,torchft_diloco \
+	  $(PY) benchmarks/bench_train.py --profiles 25mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,torchft_diloco,diloco_int4 \
 	    --out benchmarks/results/slow_link_25mbit_seed$$seed \
 	    --title "Slow link at 25 Mbit/s, best configurations against the peers: ~1M-parameter model, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \

@@ -4,8 +4,9 @@ Definitions (used by ``make demo`` and ``benchmarks/bench_train.py``):
 
 - *target loss*: the baseline's (DDP's) validation loss at the end of its step budget;
 - *time to target*: training wall-clock (rank 0, validation excluded) at the first
-  validation point whose loss is <= the target; ``None`` ("not reached") otherwise
-  (``make demo`` interpolates between that point and the one before it);
+  validation point whose loss is <= the target; ``None`` ("not reached") otherwise;
+  ``bench_train.py`` and ``make demo`` interpolate between that point and the one before
+  it (``interpolate=True``), and count *steps to target* likewise;
 - *equal time* (``make demo``, :func:`summarize_equal_time`): every run trains for the
   baseline's training time; its loss at equal time is its final validation loss;
 - *MB to target*: bytes rank 0 handed to collectives up to that same validation point;
