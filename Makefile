@@ -94,6 +94,18 @@ bench: ext
 	    --out benchmarks/results/slow_link_diloco_int4_seed$$seed \
 	    --title "Slow link, the DiLoCo family over 4-bit rounds: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
 	done
+	$(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed 0 \
+	  --variants ddp,none,int4_streaming --train-args "--mixing 0.5" \
+	  --out benchmarks/results/ideas_mixing \
+	  --title "Fewer steps to the target: mixing 0.5 (a late round moves the replicas halfway to the average), 100 Mbit/s, seed 0"
+	$(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed 0 \
+	  --variants ddp,none,int4_streaming --train-args "--fragments 2" \
+	  --out benchmarks/results/ideas_fragments2 \
+	  --title "Fewer steps to the target: 2 fragments instead of 4, 100 Mbit/s, seed 0"
+	$(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed 0 \
+	  --variants ddp,none,int4_streaming --period 4 \
+	  --out benchmarks/results/ideas_period4 \
+	  --title "Fewer steps to the target: period 4 instead of 8, 100 Mbit/s, seed 0"
 	$(PY) benchmarks/bench_overlap_staleness.py
 
 bench-sweep: ext
