@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             old = json.load(f)
         a.title = p.parse_args(shlex.split(old["command"])[2:]).title  # the run's own title
         all_runs, network_of = _load_runs(a.out, _profile_names(a))
-        a.steps = next(iter(all_runs.values()))[0][a.baseline]["config"]["steps"]
+        a.steps = next(runs[a.baseline]["config"]["steps"] for reps in all_runs.values()
+                       for runs in reps if a.baseline in runs)
         a.repeats = len(next(iter(all_runs.values())))
         a.elapsed_s = old["elapsed_s"]  # the training run's, not the replot's
         a.loadavg_end = old["loadavg_end"]

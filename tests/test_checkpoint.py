@@ -125,3 +125,21 @@ def test_dcp_state_dict_calls_do_not_count_as_steps(world1):
     other = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, optimizer=fresh)
     train_step(ddp, fresh, 0, 0)
     assert other.step_count == 1
+
+
+def test_an_averaging_optimizer_saves_the_handle_state_once(tmp_path, world1):
+    model = make_model()
+    ddp = DDP(model)
+    inner = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2)
+    opt = dah.AveragingOptimizer(inner, handle)
+    ckpt = RoundCheckpointer(tmp_path, handle, model, opt)
+    for step in range(2):
+        train_step(ddp, opt, 0, step)
+        ckpt.maybe_save()
+    saved = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob("*/rank0.pt"))]
+    assert saved, "no round was saved"
+    for state in saved:
+        assert set(state["optimizer"]) == {"state", "param_groups"}  # the inner optimizer's
+        assert 1 <= state["averaging"]["step_count"] <= handle.step_count  # saved once, here
+    handle.remove()

@@ -51,22 +51,28 @@ def _first_at_target(run: dict, target: float) -> dict | None:
     return next((e for e in run["evals"] if e["val_loss"] <= target), None)
 
 
-def time_to_target(run: dict, target: float, interpolate: bool = False) -> float | None:
-    """Training seconds at the first validation at or below ``target`` (``None``: never).
-
-    ``interpolate``: linearly between that validation and the one before it (which was
-    above the target), instead of that validation's own time.
-    """
+def _at_target(run: dict, target: float, key: str, interpolate: bool) -> float | None:
+    """``key`` of the first validation at or below ``target``, or linearly between it and
+    the validation before it; ``None`` if no validation reached it."""
     evals = run["evals"]
     k = next((k for k, e in enumerate(evals) if e["val_loss"] <= target), None)
     if k is None:
         return None
     hit = evals[k]
     if not interpolate or k == 0:
-        return hit["train_s"]
+        return hit[key]
     prev = evals[k - 1]
     frac = (prev["val_loss"] - target) / (prev["val_loss"] - hit["val_loss"])
-    return prev["train_s"] + frac * (hit["train_s"] - prev["train_s"])
+    return prev[key] + frac * (hit[key] - prev[key])
+
+
+def time_to_target(run: dict, target: float, interpolate: bool = False) -> float | None:
+    """Training seconds at the first validation at or below ``target`` (``None``: never).
+
+    ``interpolate``: linearly between that validation and the one before it (which was
+    above the target), instead of that validation's own time.
+    """
+    return _at_target(run, target, "train_s", interpolate)
 
 
 def steps_to_target(run: dict, target: float, interpolate: bool = False) -> float | None:
@@ -78,16 +84,7 @@ def steps_to_target(run: dict, target: float, interpolate: bool = False) -> floa
     >>> steps_to_target(run, 2.5), steps_to_target(run, 2.5, interpolate=True)
     (40, 30.0)
     """
-    evals = run["evals"]
-    k = next((k for k, e in enumerate(evals) if e["val_loss"] <= target), None)
-    if k is None:
-        return None
-    hit = evals[k]
-    if not interpolate or k == 0:
-        return hit["step"]
-    prev = evals[k - 1]
-    frac = (prev["val_loss"] - target) / (prev["val_loss"] - hit["val_loss"])
-    return prev["step"] + frac * (hit["step"] - prev["step"])
+    return _at_target(run, target, "step", interpolate)
 
 
 def bytes_to_target(run: dict, target: float) -> int | None:
@@ -201,16 +198,28 @@ def aggregate(rows_per_repeat: list[list[dict]]) -> list[dict]:
     """One row per variant over interleaved repeats: each metric of :data:`RANGED` as
     its median over the repeats that have it, with ``<metric>_range`` = (min, max) and
     ``<metric>_values`` (one per repeat, ``None`` where missing); ``repeats`` counts them.
-    Other keys come from the first repeat. Variants keep the first repeat's order.
+    Other keys come from the first repeat that has the variant. Variants keep the
+    repeats' order; a variant whose run failed in the first repeat keeps its row, in
+    its place.
 
     >>> r = lambda t: [{"variant": "a", "time_to_target_s": t}]
     >>> row = aggregate([r(3.0), r(1.0), r(2.0)])[0]
     >>> row["time_to_target_s"], row["time_to_target_s_range"], row["repeats"]
     (2.0, (1.0, 3.0), 3)
+    >>> [(x["variant"], x["repeats"]) for x in aggregate([[{"variant": "b"}],
+    ...                                                 [{"variant": "a"}, {"variant": "b"}]])]
+    [('a', 1), ('b', 2)]
     """
     import statistics
 
-    order = [r["variant"] for r in rows_per_repeat[0]]
+    order: list[str] = []
+    for rows in rows_per_repeat:  # merged: each new variant goes after its predecessor
+        prev = None
+        for r in rows:
+            v = r["variant"]
+            if v not in order:
+                order.insert(order.index(prev) + 1 if prev is not None else 0, v)
+            prev = v
     by_variant = {v: [next((r for r in rows if r["variant"] == v), None)
                       for rows in rows_per_repeat] for v in order}
     out = []

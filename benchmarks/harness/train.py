@@ -436,15 +436,22 @@ def _fsdp_variant(name: str, spec, model: nn.Module, opt, meter: CommMeter, args
     dah, hook = _need_dah(spec.hook, name)
     if spec.inner_hook is not None:
         hook = hook(getattr(dah.hooks, spec.inner_hook))
-    options = {"fragments": args.fragments} if spec.fragments else {}
-    if spec.overlap and args.mixing is not None:
-        options["mixing"] = args.mixing
+    options = _stream_options(spec, args)
     handle = dah.register_averaging_hook(
         model, hook, _our_state(dah, spec, args, group=shards.replicate), period=args.period,
         warmup_steps=args.warmup, bucket_cap_mb=args.bucket_cap_mb, overlap=spec.overlap,
         **options)
     dah.grad_hooks.register_fsdp_grad_hooks(model, handle)
     return Variant(name, model, model, handle.step, handle)
+
+
+def _stream_options(spec, args) -> dict:
+    """The registration options a variant takes from the flags: ``fragments`` for the
+    fragment variants, ``mixing`` for the overlapped ones."""
+    options = {"fragments": args.fragments} if spec.fragments else {}
+    if spec.overlap and args.mixing is not None:
+        options["mixing"] = args.mixing
+    return options
 
 
 def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> Variant:
@@ -515,11 +522,7 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
         period = max(1, args.period // spec.period_divisor)
     else:
         period = args.period
-    options = {}
-    if spec.overlap and args.mixing is not None:
-        options["mixing"] = args.mixing
-    if spec.fragments:
-        options["fragments"] = args.fragments
+    options = _stream_options(spec, args)
     handle = dah.register_averaging_hook(ddp, hook, _our_state(dah, spec, args), period=period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb, overlap=spec.overlap,
