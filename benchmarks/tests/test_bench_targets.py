@@ -1,23 +1,9 @@
 """The benchmark's target lines read the numbers the report computes (no training here)."""
 from __future__ import annotations
 
-import importlib.util
-import os
 
-import pytest
 
 from harness import report
-
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench_train.py")
-
-
-@pytest.fixture(scope="module")
-def bench_train():
-    spec = importlib.util.spec_from_file_location("bench_train", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def _run(hook, step_s, evals, bytes_per_step):
     """evals: (step, val_loss); bytes are cumulative at bytes_per_step."""

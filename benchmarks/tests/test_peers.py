@@ -38,14 +38,21 @@ def test_torchft_diloco_syncs_every_period_through_its_manager(tmp_path):
     assert r["summary"]["per_rank_bytes"] == [2 * model_bytes] * 2
 
 
-def test_torchft_streaming_diloco_syncs_one_fragment_at_a_time(tmp_path):
-    r = _run("torchft_streaming_diloco", tmp_path, ["--fragments", "2"])
+@pytest.mark.parametrize("variant, first", [("torchft_streaming_diloco", 1),
+                                            ("diloco_streaming", 0)])
+def test_streaming_diloco_syncs_one_fragment_at_a_time(tmp_path, variant, first):
+    # a fragment every period / fragments steps, two of them make the model: torchft's
+    # after its steps, ours at fragment f's steps f * period / K + n * period
+    r = _run(variant, tmp_path, ["--fragments", "2"])
     steps, model_bytes = r["steps"], 4 * r["config"]["n_params"]
     sent = [s["bytes"] for s in steps]
-    # a fragment every period / fragments steps; two of them make the model
-    assert [s["step"] for s in steps if s["averaged"]] == [1, 3, 5, 7]
-    assert sent[1] + sent[3] == sent[5] + sent[7] == model_bytes and 0 < sent[1] < model_bytes
+    at = [first + 2 * i for i in range(4)]
+    assert [s["step"] for s in steps if s["averaged"]] == at
+    assert sent[at[0]] + sent[at[1]] == sent[at[2]] + sent[at[3]] == model_bytes
+    assert 0 < sent[at[0]] < model_bytes
     assert sum(sent) == 2 * model_bytes
+    if variant == "diloco_streaming":
+        assert r["summary"]["handle_stats"]["bytes_sent"] == 2 * model_bytes
 
 
 def test_accelerate_localsgd_averages_every_period(tmp_path):
@@ -80,11 +87,3 @@ def test_missing_package_makes_a_peer_unavailable(monkeypatch):
     assert "pip install 'ddp_avg_hooks[peers]'" in why[0]
 
 
-def test_our_streaming_diloco_takes_fragments_in_turns(tmp_path):
-    # the counterpart of torchft_streaming_diloco: fragment f at steps f * period / K + n * period
-    r = _run("diloco_streaming", tmp_path, ["--fragments", "2"])
-    steps, model_bytes = r["steps"], 4 * r["config"]["n_params"]
-    sent = [s["bytes"] for s in steps]
-    assert [s["step"] for s in steps if s["averaged"]] == [0, 2, 4, 6]
-    assert sent[0] + sent[2] == sent[4] + sent[6] == model_bytes and 0 < sent[0] < model_bytes
-    assert r["summary"]["handle_stats"]["bytes_sent"] == 2 * model_bytes

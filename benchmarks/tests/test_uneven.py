@@ -1,24 +1,12 @@
 """Uneven workers and the time-based loop, end to end on loopback (a few steps, tiny model)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
 import pytest
 
 from harness import uneven
-
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench_train.py")
-
-
-@pytest.fixture(scope="module")
-def bench_train():
-    spec = importlib.util.spec_from_file_location("bench_train", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_split_profile_and_flags():
     assert uneven.split_profile("100mbit+slow-rank") == ("100mbit", "slow-rank")
