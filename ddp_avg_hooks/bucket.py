@@ -93,8 +93,7 @@ class ParamBucket:
     :meth:`anchor`, :meth:`stored_anchor`, :meth:`delta`, :meth:`scaled_buffer`,
     :meth:`workspace`, :meth:`scratch`, :meth:`mark_result_as_delta`,
     :meth:`mark_result_as_values`, :attr:`result_is_delta`, :meth:`defer`,
-    :meth:`new_state`, :meth:`memory`, :meth:`record_sent`, :attr:`overlapped`,
-    :attr:`runs_in_background`, :meth:`private_group` and the
+    :meth:`new_state`, :meth:`memory`, :meth:`record_sent`, :attr:`overlapped` and the
     ``device`` / ``dtype`` / ``state_device`` / ``offloaded`` attributes. For the round
     engine: :meth:`begin_round`, :meth:`apply`, :meth:`reset_anchor`,
     :meth:`launch_snapshot`, :meth:`state_dict`, :meth:`load_state_dict`,
@@ -255,10 +254,7 @@ class ParamBucket:
               residual: torch.Tensor | None = None) -> torch.Tensor:
         """``(anchor() - parameters) * scale`` cast to ``dtype``, in one fused pass.
 
-        Reads the live parameters (not :meth:`buffer`); in an :attr:`overlapped` round,
-        the parameters as the round began (:meth:`launch_snapshot`), so a call that runs
-        while training goes on (:meth:`defer` with ``background=True``) sees the same
-        values as one made at launch. The result lives in ``out`` if
+        Reads the live parameters (not :meth:`buffer`). The result lives in ``out`` if
         given (``numel()`` elements; ``bucket.workspace()`` costs no memory when the hook
         is done with the delta before it writes its result there), else in a persistent
         scratch buffer of this bucket, overwritten by the next ``delta`` call with the
@@ -276,8 +272,7 @@ class ParamBucket:
             raise TypeError(f"delta: out has dtype {out.dtype}, dtype= asks for {dtype}")
         if not self.has_anchor():
             raise self._no_anchor()
-        storage = self._storage
-        params = [self._launch] if self._round.overlapped else storage.params
+        storage, params = self._storage, self._storage.params
         anchor, scale = storage.op_anchor(), scale * self._round.scale
         if residual is None:
             return ops.delta(anchor, params, out, scale)
@@ -335,11 +330,9 @@ class ParamBucket:
         order, before the round is waited for.
 
         ``background=True``, in a round that overlaps training (:attr:`overlapped`) on
-        CPU tensors (:attr:`runs_in_background`): ``fn`` runs on the registration's
-        background thread instead, after the calls of earlier rounds, and the training
-        thread does not wait for it. A round's calls run phase by phase: every bucket's
-        first call, in bucket order, then every bucket's second, and so on (the same
-        order on every rank). There ``fn`` may issue collectives only on
+        CPU tensors: ``fn`` runs on the registration's background thread instead, after
+        the calls handed to it before (in launch order, the same on every rank), and the
+        training thread does not wait for it. There ``fn`` may issue collectives only on
         :meth:`private_group` groups, and must complete the hook's future itself, with
         the exception if it fails. In other rounds it is an ordinary deferred call.
 
@@ -353,23 +346,14 @@ class ParamBucket:
         """
         self._round.defer(fn, background=background and self.device.type == "cpu")
 
-    @property
-    def runs_in_background(self) -> bool:
-        """Whether ``defer(fn, background=True)`` hands ``fn`` to the background thread in
-        this round (a round of the engine that overlaps training, on CPU tensors). A hook
-        may then do all of its work there, its first collective included, on
-        :meth:`private_group` groups; :meth:`delta` reads the parameters as the round
-        began, whatever training has done since."""
-        rnd = self._round
-        return rnd.background is not None and rnd.deferring and self.device.type == "cpu"
-
     def private_group(self, group):
         """The registration's own duplicate of ``group``, for collectives a background call
         issues (see :meth:`defer`); ``group`` itself outside such a round. Made at the first
         call, collective over ``group``'s members (every member asks at the same round)."""
-        if not self.runs_in_background:
+        rnd = self._round
+        if rnd.background is None or not rnd.deferring or self.device.type != "cpu":
             return group
-        return self._round.background.private(group)
+        return rnd.background.private(group)
 
     def new_state(self, dtype: torch.dtype | None = None, *,
                   numel: int | None = None) -> torch.Tensor:

@@ -51,9 +51,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -69,13 +67,6 @@ from .observers import Reporter, RoundObserver
 from .policies import RoundPolicy
 from .protocol import hook_name
 from .weights import RoundWeights, WeightExchange
-
-
-def _traced(name: str):
-    """A ``record_function`` range named ``name`` while a profiler runs; else nothing (the
-    range costs two operator calls per use, each a chance to lose the GIL)."""
-    enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return record_function(name) if enabled is None or enabled() else contextlib.nullcontext()
 
 __all__ = ["AveragingHookError", "AveragingStats", "Round", "RoundEngine", "run_round"]
 
@@ -247,7 +238,7 @@ class RoundEngine:
         buckets = self.buckets if fragment is None else self.fragments[fragment]
         # the policies' extras (buffers, optimizer state) go with the first fragment
         extras = [b for p in self.policies for b in p.buckets()] if not fragment else []
-        with _traced("ddp_avg_hooks::round::launch"):
+        with record_function("ddp_avg_hooks::round::launch"):
             futures, records, deferred, background = [], [], [], []
             for bucket in buckets:
                 record = bucket.begin_round(scale, overlapped=overlapped,
@@ -255,20 +246,15 @@ class RoundEngine:
                 futures.append(self._call_hook(bucket, where))
                 records.append(record)
                 deferred += [(bucket, fn) for fn in record.take_deferred()]
-                background.append(record.take_background())
+                background += record.take_background()
             changes = [r.result_is_delta for r in records]
             extra_futures = []
             for bucket in extras:
                 records.append(bucket.begin_round())
                 extra_futures.append(exact_average(self.exact_group, bucket))
             self._run_deferred(deferred, where)
-            # every bucket's first call, then every bucket's second, ...: each phase's
-            # collectives are all in flight before any is waited for, in the same order on
-            # every rank
-            for phase in itertools.zip_longest(*background):
-                for fn in phase:
-                    if fn is not None:
-                        self.background.submit(fn)
+            for fn in background:  # in bucket order: the same on every rank
+                self.background.submit(fn)
         return Round(where, list(buckets), records, futures, changes, extras, extra_futures,
                      started, overlapped, fragment=fragment, weights=exchange)
 
@@ -318,7 +304,7 @@ class RoundEngine:
         if factor != 1.0:
             self._rescale(rnd, factor)
         measured = self.reporter.measure(rnd.buckets, rnd)
-        with _traced("ddp_avg_hooks::round::write_back"):
+        with record_function("ddp_avg_hooks::round::write_back"):
             for bucket, value, change in zip(rnd.buckets, rnd.results, rnd.changes):
                 bucket.apply(value, is_delta=change, overlapped=rnd.overlapped, mixing=self.mixing)
             for bucket, value in zip(rnd.extras, rnd.extra_results):
@@ -342,7 +328,7 @@ class RoundEngine:
         """Wait for the round and check every result; raises :class:`AveragingHookError`."""
         wait_start = time.perf_counter()
         try:
-            with _traced("ddp_avg_hooks::round::wait"):
+            with record_function("ddp_avg_hooks::round::wait"):
                 rnd.results = [self._result(b, f, rnd.where)
                                for b, f in zip(rnd.buckets, rnd.futures)]
                 rnd.extra_results = [f.wait() for f in rnd.extra_futures]

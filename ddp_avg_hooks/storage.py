@@ -170,7 +170,7 @@ class DeviceStorage:
         if mixing is not None:
             torch._foreach_lerp_(self.params, ops.split_like(values, self.params), 1.0 - mixing)
         else:
-            correction = torch.sub(values, launch, out=launch)  # one pass, in place
+            correction = launch.neg_().add_(values)
             torch._foreach_add_(self.params, ops.split_like(correction, self.params))
         if self.anchor is not None:
             self.anchor.copy_(values)

@@ -17,11 +17,6 @@ round engine applies as ``anchor - sum`` straight into the parameters
 (``bucket.mark_result_as_delta()``), and the residual, kept in bfloat16 by default: in
 all 2x the parameters' size for float32 parameters (1.5x without error feedback).
 
-In a round overlapped with training (on CPU tensors, ``bucket.runs_in_background``) the
-pass and the all-reduce run on the registration's background thread, over its private
-duplicate of the group: the training thread only takes the round's snapshot of the
-parameters.
-
 Where the error-feedback residual ``e_r`` lives:
 
 * ``state`` is a :class:`HalfDeltaState`: in the state, keyed by ``bucket.index()``,
@@ -158,40 +153,15 @@ def _half_delta_hook(state, bucket: ParamBucket, half_dtype: torch.dtype) -> tor
         if one_at_a_time else None
     # one chunked pass: (anchor - params) / ws rounded to half, and with error feedback
     # what the rounding lost goes into the residual
+    send = bucket.delta(half_dtype, scale=scale, out=send, residual=residual)
     # the summed half values are the result: the engine writes anchor - sum(h) in the
     # bucket's dtype (half -> float is exact), with no bucket-size float buffer
     bucket.mark_result_as_delta()
-    if bucket.runs_in_background:  # overlapped: the pass and the sum off the training thread
-        return _in_background(bucket, bucket.private_group(group), half_dtype, scale, residual)
-    send = bucket.delta(half_dtype, scale=scale, out=send, residual=residual)
     if one_at_a_time:
         bucket.record_sent(send)
         dist.all_reduce(send, group=group)
         return completed(send.cpu())  # the device buffer is free for the next bucket
     return allreduce_sum(group, send, bucket)
-
-
-def _in_background(bucket: ParamBucket, group, half_dtype: torch.dtype, scale: float,
-                   residual) -> torch.futures.Future:
-    """The hook's pass and all-reduce on the registration's background thread, over its
-    private ``group``; a future of the sum."""
-    result = torch.futures.Future()
-
-    def done(summed: torch.futures.Future) -> None:
-        try:
-            result.set_result(summed.value())
-        except Exception as exc:
-            result.set_exception(exc)
-
-    def send_half() -> None:
-        try:
-            send = bucket.delta(half_dtype, scale=scale, residual=residual)
-            allreduce_sum(group, send, bucket).add_done_callback(done)
-        except Exception as exc:
-            result.set_exception(exc)
-
-    bucket.defer(send_half, background=True)
-    return result
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[torch.float16],

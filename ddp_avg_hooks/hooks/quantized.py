@@ -67,14 +67,13 @@ Collective ordering: the hook issues the all-to-all, on the averaging group, fro
 thread that runs rounds, and returns; the reduction, the requantization and the
 all-gather are deferred (``bucket.defer``) until every bucket's all-to-all is in flight,
 so a round of several buckets waits for the first one while the others travel. In a
-round overlapped with training (on CPU tensors, ``bucket.runs_in_background``) both
-phases run on the registration's background thread instead: every bucket's delta, codes
-and all-to-all, then every bucket's second phase, in launch order, over the
-registration's private duplicate of the group (``bucket.private_group``). The training
-thread then only takes the round's snapshot of the parameters, never waits for the
-exchange, and no collective of the round can pair with one the training thread issues
-meanwhile (gloo and NCCL pair collectives by the order each rank issues them on a
-group). Only the dequantization runs in a callback.
+round overlapped with training (on CPU tensors) they run on the registration's
+background thread instead, one bucket after another in launch order, and the all-gather
+goes over the registration's private duplicate of the group (``bucket.private_group``):
+the training thread then never waits for the all-to-all, and no collective of the
+second phase can pair with one the training thread issues meanwhile (gloo and NCCL pair
+collectives by the order each rank issues them on a group). Only the dequantization runs
+in a callback.
 """
 
 from __future__ import annotations
@@ -185,98 +184,68 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
     return gather(out, piece, group=group, async_op=True)
 
 
-class _QuantizedRound:
-    """One bucket's round of the two-phase exchange: :meth:`send` (the delta, its codes,
-    the all-to-all), :meth:`reduce_and_gather` (this rank's piece summed, requantized,
-    all-gathered) and :meth:`decompress` (the new values, in a callback)."""
-
-    def __init__(self, bucket: ParamBucket, group, residual, block_size: int, bits: int,
-                 background: bool) -> None:
-        self.bucket, self.residual, self.background = bucket, residual, background
-        self.n, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.numel = bucket.numel()
-        self.layout = QuantLayout.for_bucket(self.numel, self.n, block_size, bits)
-        # overlapped with training: every phase on the registration's background thread,
-        # its collectives on the registration's own group, so training never waits for them
-        self.group = bucket.private_group(group) if background else group
-        # the payload buffers, reused round after round; send doubles as the all-gather's
-        # output once the all-to-all has read it
-        self.send = bucket.scratch("quant_send", dtype=torch.uint8,
-                                   numel=self.layout.total_bytes)
-        self.recv = bucket.scratch("quant_recv", dtype=torch.uint8,
-                                   numel=self.layout.total_bytes)
-        self.ct = _compute_dtype(bucket)
-        self.anchor, self.out = bucket.anchor(), bucket.workspace()  # every element is overwritten
-        self.delta = self.exchange = None
-        self.result = torch.futures.Future()
-
-    def guarded(self, phase):
-        """``phase`` for the background thread: a failure completes the future instead."""
-        def run() -> None:
-            if self.result.done():  # an earlier phase failed
-                return
-            try:
-                phase()
-            except Exception as exc:
-                self.result.set_exception(exc)
-        return run
-
-    def send_codes(self) -> None:
-        bucket, layout, send = self.bucket, self.layout, self.send
-        # the delta is read for the last time before the result overwrites the workspace
-        out = self.out if self.out.dtype == self.ct else None
-        self.delta = bucket.delta(self.ct, scale=1.0 / self.n, out=out)
-        ops.quantize_blocks(self.delta, send, layout, residual=self.residual,
-                            residual_out=self.residual)
-        bucket.record_sent(*layout.payload(send, self.numel))
-        self.exchange = dist.all_to_all_single(self.recv, send, group=self.group,
-                                               async_op=True)
-
-    def reduce_and_gather(self) -> None:
-        # this rank's piece: sum every rank's version, requantize it into the all-gather
-        # input. Only its values inside the bucket (past its end all codes are 0), in the
-        # delta's buffer, which has been read by now.
-        layout, send, residual = self.layout, self.send, self.residual
-        self.exchange.wait()
-        size, start = layout.piece_bytes, self.rank * layout.piece_elems
-        valid = min(max(self.numel - start, 0), layout.piece_elems)
-        total = ops.dequantize_blocks(self.recv, layout, self.delta[:valid], sum_pieces=True)
-        mine = send[self.rank * size : (self.rank + 1) * size]
-        ops.quantize_blocks(total, mine, layout.one_piece(),
-                            residual_out=total if residual is not None else None)
-        if residual is not None:  # total now holds T - R: the requantization's loss
-            residual[start : start + valid].add_(total)
-        _all_gather(send, mine, self.group).get_future().add_done_callback(self.decompress)
-
-    def decompress(self, gathered: torch.futures.Future) -> None:
-        try:
-            gathered.wait()  # raises if the all-gather failed
-            if self.out.dtype == self.ct:  # new = anchor - R in one pass
-                value = ops.dequantize_blocks(self.send, self.layout, self.out, base=self.anchor)
-            else:
-                value = _sub_(self.anchor, ops.dequantize_blocks(self.send, self.layout,
-                                                                 self.delta), self.out)
-        except Exception as exc:
-            self.result.set_exception(exc)
-        else:
-            self.result.set_result(value)
-
-
 def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.futures.Future:
     _VALIDATORS[bits](state)
     group, residual = _FAMILY.group_and_residual(state, bucket)
     if not is_member(group):
         return completed(bucket.buffer())
     block_size = state.block_size if isinstance(state, QuantizedDeltaState) else DEFAULT_BLOCK_SIZE
-    background = bucket.runs_in_background
-    rnd = _QuantizedRound(bucket, group, residual, block_size, bits, background)
-    if background:  # both phases off the training thread, in launch order
-        bucket.defer(rnd.guarded(rnd.send_codes), background=True)
-        bucket.defer(rnd.guarded(rnd.reduce_and_gather), background=True)
-    else:
-        rnd.send_codes()
-        bucket.defer(rnd.reduce_and_gather)
-    return rnd.result
+    n, rank, numel = dist.get_world_size(group), dist.get_rank(group), bucket.numel()
+    layout = QuantLayout.for_bucket(numel, n, block_size, bits)
+    # the payload buffers, reused round after round; send doubles as the all-gather's
+    # output once the all-to-all has read it
+    send = bucket.scratch("quant_send", dtype=torch.uint8, numel=layout.total_bytes)
+    recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=layout.total_bytes)
+    ct = _compute_dtype(bucket)
+    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
+    # the delta is read for the last time before the result overwrites the workspace
+    delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
+    ops.quantize_blocks(delta, send, layout, residual=residual, residual_out=residual)
+    bucket.record_sent(*layout.payload(send, numel))
+    exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    result = torch.futures.Future()
+    # overlapped with training: the second phase on the registration's background thread,
+    # its all-gather on the registration's own group, so training never waits for it
+    background = bucket.overlapped
+    gather_group = bucket.private_group(group) if background else group
+
+    def reduce_and_gather() -> None:
+        try:
+            second_phase()
+        except Exception as exc:
+            if not background:
+                raise  # the engine names the bucket and fails the round
+            result.set_exception(exc)
+
+    def second_phase() -> None:
+        # this rank's piece: sum every rank's version, requantize it into the all-gather
+        # input. Only its values inside the bucket (past its end all codes are 0), in the
+        # delta's buffer, which has been read by now.
+        exchange.wait()
+        size, start = layout.piece_bytes, rank * layout.piece_elems
+        valid = min(max(numel - start, 0), layout.piece_elems)
+        total = ops.dequantize_blocks(recv, layout, delta[:valid], sum_pieces=True)
+        mine = send[rank * size : (rank + 1) * size]
+        ops.quantize_blocks(total, mine, layout.one_piece(),
+                            residual_out=total if residual is not None else None)
+        if residual is not None:  # total now holds T - R: the requantization's loss
+            residual[start : start + valid].add_(total)
+        _all_gather(send, mine, gather_group).get_future().add_done_callback(decompress)
+
+    def decompress(gathered: torch.futures.Future) -> None:
+        try:
+            gathered.wait()  # raises if the all-gather failed
+            if out.dtype == ct:  # new = anchor - R in one pass
+                value = ops.dequantize_blocks(send, layout, out, base=anchor)
+            else:
+                value = _sub_(anchor, ops.dequantize_blocks(send, layout, delta), out)
+        except Exception as exc:
+            result.set_exception(exc)
+        else:
+            result.set_result(value)
+
+    bucket.defer(reduce_and_gather, background=background)
+    return result
 
 
 @averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[8],
