@@ -1,9 +1,8 @@
 """The benchmark's target lines read the numbers the report computes (no training here)."""
 from __future__ import annotations
 
-
-
 from harness import report
+
 
 def _run(hook, step_s, evals, bytes_per_step):
     """evals: (step, val_loss); bytes are cumulative at bytes_per_step."""
