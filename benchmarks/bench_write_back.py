@@ -28,7 +28,7 @@ from ddp_avg_hooks.planner import split_fragments
 from ddp_avg_hooks.storage import DeviceStorage
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "harness"))
-from train import CharTransformer  # noqa: E402  (the training benchmark's model)
+from train import PRESETS, CharTransformer  # noqa: E402  (the training benchmark's model)
 
 
 @torch.no_grad()
@@ -46,7 +46,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = CharTransformer(160, 3, 4, 64)
+    shape = PRESETS["bench"]
+    model = CharTransformer(shape["d_model"], shape["n_layers"], shape["n_heads"],
+                            shape["context"])
     parts = split_fragments([p.detach() for p in model.parameters()], args.fragments)
     params = max(parts, key=lambda ps: sum(p.numel() for p in ps))
     storage = DeviceStorage(params)
