@@ -107,6 +107,7 @@ bench: ext
 	  --out benchmarks/results/ideas_period4 \
 	  --title "Fewer steps to the target: period 4 instead of 8, 100 Mbit/s, seed 0"
 	$(PY) benchmarks/bench_overlap_staleness.py
+	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 
 bench-sweep: ext
 	$(PY) benchmarks/bench_diloco_sweep.py
