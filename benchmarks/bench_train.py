@@ -116,6 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-args", default="",
                    help="more flags for every training run (harness/train.py's, e.g. "
                         "'--mixing 0.5 --fragments 2'); a variant's own flags come after")
+    p.add_argument("--variant-args", action="append", default=[], metavar="VARIANT=FLAGS",
+                   help="more flags for one variant's runs, after all others (repeatable; e.g. "
+                        "'int4_streaming=--lr 7e-4')")
     p.add_argument("--baseline", default="ddp",
                    help="the variant whose final loss is the target and whose budget is --steps "
                         "(the FSDP2 runs: hsdp_native)")
@@ -154,6 +157,11 @@ def main(argv=None) -> int:
 
     variants, unavailable = split_available(a.variants)
     notes = [f"variant {u} (not run)" for u in unavailable]
+    try:
+        a.flags_of = _variant_flags(a.variant_args, variants)
+    except ValueError as exc:
+        p.error(str(exc))
+    notes += [f"{v}: its runs add `{' '.join(f)}`" for v, f in a.flags_of.items()]
     ok, why = netns.netns_available()
     profiles = []
     mode_of = {}
@@ -224,6 +232,7 @@ def _run_variant(a, prof, v: str, rep: int, runs: dict, first: dict | None, comm
         args += ["--stop-at-loss", str(ddp["evals"][-1]["val_loss"]), "--min-steps", str(a.steps)]
     if v in TIMED_VARIANTS:
         args += _timed_args(a, first or runs)
+    args += a.flags_of.get(v, [])
     outdir = os.path.join(a.runs_dir, *([f"rep{rep}"] if a.repeats > 1 else []), prof.name, v)
     t0 = time.time()
     quota = uneven.CpuQuota() if uneven.has(mode_of.get(prof.name), "slow-rank") else None
@@ -248,6 +257,25 @@ def _run_variant(a, prof, v: str, rep: int, runs: dict, first: dict | None, comm
           f"mean={s['mean_step_s'] * 1e3:7.1f}ms MB/step={s['bytes_per_step'] / 1e6:6.3f} "
           f"comm={report.comm_wait(s):.0%} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
     return run
+
+
+def _variant_flags(specs: list[str], variants: list[str]) -> dict[str, list[str]]:
+    """``--variant-args`` as ``{variant: flags}``.
+
+    >>> _variant_flags(["int4_streaming=--lr 7e-4"], ["ddp", "int4_streaming"])
+    {'int4_streaming': ['--lr', '7e-4']}
+    """
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not flags.strip():
+            raise ValueError(f"--variant-args {spec!r}: expected VARIANT=FLAGS, e.g. "
+                             f"'int4_streaming=--lr 7e-4'")
+        if name not in variants:
+            raise ValueError(f"--variant-args {spec!r}: {name!r} is not among --variants "
+                             f"({','.join(variants)})")
+        out.setdefault(name, []).extend(shlex.split(flags))
+    return out
 
 
 def _profile_names(a) -> list[str]:
