@@ -106,6 +106,12 @@ bench: ext
 	  --variants ddp,none,int4_streaming --period 4 \
 	  --out benchmarks/results/ideas_period4 \
 	  --title "Fewer steps to the target: period 4 instead of 8, 100 Mbit/s, seed 0"
+	for seed in 0 1; do \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming --variant-args "int4_streaming=--lr 7e-4" \
+	    --out benchmarks/results/ideas_lr_seed$$seed \
+	    --title "Fewer steps to the target: the replicas at lr 7e-4 (DDP at 1e-3), 100 Mbit/s, seed $$seed"; \
+	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 
