@@ -21,6 +21,7 @@ prints one line per round: the step, the participants, whether it was committed.
 """
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,11 +47,22 @@ def wait_for(paths, workers, deadline_s: float = 120) -> None:
         time.sleep(0.05)
 
 
+def lighthouse_program() -> str:
+    """The ``torchft_lighthouse`` beside this interpreter (a virtual environment's bin/,
+    also when it is not activated), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
+    if found is None:
+        raise SystemExit("torchft_lighthouse not found beside this Python or on PATH: "
+                         "pip install torchft (or 'ddp_avg_hooks[peers]'), which ships it")
+    return found
+
+
 def launch(args) -> int:
     """Start the lighthouse and the replica groups; wait for the replica groups."""
     port = free_port()
     lighthouse = subprocess.Popen(
-        ["torchft_lighthouse", "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+        [lighthouse_program(), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
          "--join_timeout_ms", "2000", "--quorum_tick_ms", "50",
          "--heartbeat_timeout_ms", str(args.heartbeat_ms)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
