@@ -14,7 +14,11 @@ never when the package is imported. In order:
    folder keyed by Python version, torch version and build, accelerator, machine type
    and where the package is installed, so ABI-incompatible builds never share a folder
    and two environments never rebuild each other's. Before a first build, rank 0 says
-   so on stderr. ``make ext`` fills it once;
+   so on stderr. The build runs the ``ninja`` of the ``ninja`` package (a dependency,
+   installed beside this package) whichever ``ninja`` ``PATH`` finds first: another
+   version reads the build's log as changed commands and rebuilds everything, so an
+   activated and a not-activated environment would rebuild each other's extension.
+   ``make ext`` fills it once;
    later processes only load it (ninja finds nothing to do, ~0.1 s). When several
    processes (DDP ranks) load at once, torch's ``FileBaton`` lock file in the build
    folder lets one build while the others wait. A build killed midway can leave that
@@ -29,11 +33,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import contextlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -86,6 +93,32 @@ def build_directory(with_cuda: bool) -> Path:
     return Path(root) / key / (_NAME + ("_cuda" if with_cuda else ""))
 
 
+def ninja_program() -> str | None:
+    """The ``ninja`` executable builds use: the ``ninja`` package's, else ``PATH``'s."""
+    try:
+        import ninja
+    except ImportError:
+        return shutil.which("ninja")
+    found = shutil.which("ninja", path=getattr(ninja, "BIN_DIR", ""))
+    return found or shutil.which("ninja")
+
+
+@contextlib.contextmanager
+def _ninja_first_on_path() -> Iterator[None]:
+    """Put :func:`ninja_program`'s folder first on ``PATH`` (torch runs ``ninja`` from it)."""
+    program = ninja_program()
+    before = os.environ.get("PATH")
+    if program is not None:
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(program), before or os.defpath])
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
+
+
 def _is_rank_zero() -> bool:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank() == 0
@@ -121,16 +154,17 @@ def _jit_build(verbose: bool = False) -> ModuleType:
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     _announce_build(build_dir)
-    return cpp_extension.load(
-        name=_NAME + ("_cuda" if with_cuda else ""),
-        sources=sources,
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_flags,
-        extra_include_paths=[str(src)],
-        build_directory=str(build_dir),
-        with_cuda=with_cuda,
-        verbose=verbose,
-    )
+    with _ninja_first_on_path():
+        return cpp_extension.load(
+            name=_NAME + ("_cuda" if with_cuda else ""),
+            sources=sources,
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags,
+            extra_include_paths=[str(src)],
+            build_directory=str(build_dir),
+            with_cuda=with_cuda,
+            verbose=verbose,
+        )
 
 
 _LOCK = threading.Lock()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -94,3 +96,24 @@ def test_no_notice_when_the_build_exists(monkeypatch, tmp_path, capsys):
     (folder / "ddp_avg_hooks_C.so").write_bytes(b"")
     _ext._jit_build()
     assert capsys.readouterr().err == ""
+
+
+def test_a_process_finding_another_ninja_first_loads_the_build_without_running_it(tmp_path):
+    """Two ninja versions read each other's build log as changed commands and rebuild
+    everything: every process runs the ``ninja`` package's, whatever PATH finds first."""
+    assert _ext.ninja_program() is not None
+    library = _ext.build_directory(with_cuda=False) / "ddp_avg_hooks_C.so"
+    built_at = library.stat().st_mtime_ns if library.exists() else None
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ninja").write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\nexit 1\n")
+    (fake / "ninja").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("DDP_AVG_HOOKS_DISABLE_EXT", None)
+    code = "from ddp_avg_hooks import ops; print(ops.backend())"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.split() == ["extension"], r.stderr[-3000:]
+    assert not (tmp_path / "ran").exists()
+    if built_at is not None:  # found up to date: loaded, not rebuilt
+        assert library.stat().st_mtime_ns == built_at
