@@ -108,6 +108,18 @@ class QuantLayout:
         """The layout of a single piece of this one."""
         return dataclasses.replace(self, pieces=1)
 
+    def stacked(self, count: int) -> QuantLayout:
+        """``count`` payloads of this one-piece layout back to back, each a piece: what an
+        all-gather of it returns (``dequantize_blocks(..., sum_pieces=True)`` adds them).
+
+        Example:
+            >>> QuantLayout(bits=4, block_size=4, pieces=1, piece_elems=8).stacked(2).total_bytes
+            24
+        """
+        if self.pieces != 1:
+            raise ValueError(f"QuantLayout.stacked: needs a one-piece layout, got {self.pieces}")
+        return dataclasses.replace(self, pieces=count)
+
     def scales(self, packed: torch.Tensor) -> torch.Tensor:
         """The ``(pieces, blocks)`` float32 scales, a view of ``packed``."""
         rows = packed.view(self.pieces, self.piece_bytes)

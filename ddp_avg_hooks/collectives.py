@@ -73,10 +73,12 @@ class Background:
     Example:
         >>> done = []
         >>> bg = Background()
+        >>> bg.in_use
+        False
         >>> bg.submit(lambda: done.append(1)); bg.drain()  # True: every call has run
         True
-        >>> done
-        [1]
+        >>> done, bg.in_use
+        ([1], True)
     """
 
     def __init__(self) -> None:
@@ -86,6 +88,12 @@ class Background:
         self._idle.set()
         self._pending = 0
         self._lock = threading.Lock()
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a call was ever handed over or a private group made (a hook's rounds
+        that need neither leave the registration without a thread or a group)."""
+        return self._queue is not None or bool(self._groups)
 
     def private(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         """This registration's duplicate of ``group`` (made at the first call, collective

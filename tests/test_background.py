@@ -1,6 +1,7 @@
-"""The background second phase of overlapped int8/int4 rounds: the same average as a
-blocking round, bit for bit, while the training thread issues its own collectives on the
-same group; the registration's background thread keeps the order calls were handed in."""
+"""The background second phase of overlapped int8/int4 rounds (three ranks or more): the
+same average as a blocking round, bit for bit, while the training thread issues its own
+collectives on the same group; two ranks, whose rounds are one all-gather, likewise; the
+registration's background thread keeps the order calls were handed in."""
 
 from __future__ import annotations
 
@@ -35,21 +36,25 @@ def _rank_background(rank, world_size, hook_name):
     dist.all_reduce(mine)
     engine.finish(rnd)
     run_round(hook, None, blocking)
+    # the background thread and the private group: made by a three-rank round only
     return {"user": mine, "overlapped": [b.stored_anchor() for b in overlapped],
             "blocking": [b.stored_anchor() for b in blocking],
-            "private": engine.background.private(dist.group.WORLD) is not dist.group.WORLD}
+            "background": engine.background.in_use}
 
 
+@pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("hook_name", ["int8_compress_hook", "int4_compress_hook"])
-def test_an_overlapped_quantized_round_is_the_blocking_one_bit_for_bit(hook_name):
-    results = run_ranks(_rank_background, 2, timeout_s=60, hook_name=hook_name)
+def test_an_overlapped_quantized_round_is_the_blocking_one_bit_for_bit(hook_name, world):
+    results = run_ranks(_rank_background, world, timeout_s=60, hook_name=hook_name)
     for r in results:
-        assert torch.equal(r["user"], torch.full((4,), 3.0))  # not mixed up with the round's
+        # not mixed up with the round's
+        assert torch.equal(r["user"], torch.full((4,), float(sum(range(1, world + 1)))))
         for a, b in zip(r["overlapped"], r["blocking"]):
             assert torch.equal(a, b)
-        assert r["private"]
-    for a, b in zip(results[0]["overlapped"], results[1]["overlapped"]):
-        assert torch.equal(a, b)  # the replicas agree on the average
+        assert r["background"] == (world > 2)
+    for other in results[1:]:
+        for a, b in zip(results[0]["overlapped"], other["overlapped"]):
+            assert torch.equal(a, b)  # the replicas agree on the average
 
 
 def test_the_background_thread_runs_calls_in_order():

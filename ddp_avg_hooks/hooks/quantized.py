@@ -11,25 +11,39 @@ scale 0 and codes 0, never NaN. Per bucket and round, on rank ``r`` of ``n``::
 
     v_r = delta_r / n + e_r                      # e_r: error feedback (on by default)
     D_r = dequant(quant(v_r));  e_r <- v_r - D_r  # this rank's own rounding
+
+then, with one or two ranks::
+
+    all-gather every rank's codes and scales
+    T = sum_r D_r                                # every rank, in rank order, in float32
+    new = anchor - T                             # (float64 buckets: float64)
+
+and with three ranks or more::
+
     all-to-all: rank j receives piece j of every rank's codes and scales
     T_j = sum_r D_r[piece j]                     # rank j, in float32 (float64 buckets: float64)
     R_j = dequant(quant(T_j));  e_j[piece j] += T_j - R_j   # the requantization's rounding
     all-gather the requantized pieces R_j
-    new = anchor - R                             # in the bucket's dtype; bit-identical ranks
+    new = anchor - R
 
-Sums of quantized values are not quantized values, hence the all-to-all, the sum in
-float32 and the requantization, instead of an allreduce of the codes. The bucket is
-padded with zeros to a multiple of ``n * block_size`` values, so each piece is a whole
-number of blocks.
+The new values are computed in the bucket's dtype and are bit-identical on every rank.
+Sums of quantized values are not quantized values, and an all-gather of every rank's
+codes would hand each rank ``n - 1`` payloads; hence, from three ranks on, the
+all-to-all, the sum in float32 and the requantization, instead of an allreduce of the
+codes. With two ranks the all-gather moves one payload per rank, as much as the
+all-to-all and the all-gather together: one collective, and no requantization. The
+bucket is padded with zeros to a multiple of ``block_size`` values (``n * block_size``
+from three ranks on, so that each piece is a whole number of blocks).
 
 **Bytes.** ``stats.bytes_sent`` counts, per bucket and round, this rank's contribution:
 the codes and scales of its quantized delta, ``ceil(numel * bits / 8) + 4 *
 ceil(numel / block_size)`` bytes, whatever the world size. Not counted: the zero padding
-(fewer than ``n * block_size`` values) and the requantized piece each rank relays in the
-all-gather (``1 / n`` of the payload), just as the allreduce hooks count the tensor they
-reduce once, not the ring's traffic. On the wire each rank sends about ``2 (n - 1) / n``
-times the payload, as a ring allreduce of it would; nothing grows with the world size.
-At the default ``block_size=128`` that is 0.258 (int8) and 0.133 (int4) of float32.
+(fewer than ``n * block_size`` values) and, from three ranks on, the requantized piece
+each rank relays in the all-gather (``1 / n`` of the payload), just as the allreduce
+hooks count the tensor they reduce once, not the ring's traffic. On the wire each rank
+sends about ``2 (n - 1) / n`` times the payload (one payload with two ranks), as a ring
+allreduce of it would; nothing grows with the world size. At the default
+``block_size=128`` that is 0.258 (int8) and 0.133 (int4) of float32.
 
 **Error bounds**, per element and round (tested in ``tests/test_quantized_hooks.py``).
 With ``a_r`` the largest ``|v_r|`` in the element's block, ``A`` the largest ``|T|`` there,
@@ -37,24 +51,25 @@ and ``k = 1 + 2**-14`` (float32 rounding of the scale and the division):
 
 * this rank's own rounding: ``|v_r - D_r| <= k * a_r / (2 Q)`` (int8: ``a_r / 254``,
   int4: ``a_r / 14``);
-* the requantization: ``|T - R| <= k * A / (2 Q)``;
-* so one round's result is within ``sum_r k * a_r / (2 Q) + k * A / (2 Q)`` of
-  ``anchor - sum_r v_r``, plus float32 rounding of the sum ``T`` (``(n - 1) * 2**-24 *
-  sum_r |D_r|``) and of the new parameters to their dtype.
+* the requantization, from three ranks on: ``|T - R| <= k * A / (2 Q)``;
+* so one round's result is within ``sum_r k * a_r / (2 Q)`` (plus ``k * A / (2 Q)`` from
+  three ranks on) of ``anchor - sum_r v_r``, plus float32 rounding of the sum ``T``
+  (``(n - 1) * 2**-24 * sum_r |D_r|``) and of the new parameters to their dtype.
 
 With ``error_feedback=False`` (``e_r = 0``) that is the error against the exact average
 ``anchor - mean(delta)``, and it is lost: for a persistent update direction these errors
 add up linearly over rounds, ``rounds * (sum_r k a_r / (2 Q) + k A / (2 Q))`` in the
-worst case. With error feedback both roundings stay in the residuals (the
-requantization's on the rank that reduced the piece) and re-enter the next round's sum,
-so ``sum_r e_r = sum_r v_r - R`` each round and, telescoping, the parameters equal the
-exact trajectory ``anchor_0 - sum over rounds of mean(delta)`` plus ``sum_r e_r``: at
-any round count the error stays within one round's bound above; only the float32
-roundings of the last item add up (the parameters' own precision).
+worst case. With error feedback every rounding stays in the residuals (the
+requantization's on the rank that reduced the piece) and re-enters the next round's sum,
+so ``sum_r e_r = sum_r v_r - R`` (``- T`` with two ranks) each round and, telescoping,
+the parameters equal the exact trajectory ``anchor_0 - sum over rounds of mean(delta)``
+plus ``sum_r e_r``: at any round count the error stays within one round's bound above;
+only the float32 roundings of the last item add up (the parameters' own precision).
 
 Memory per bucket, beside the anchor: the residual (``numel`` float32 values; float64
-for float64 buckets) and two payload buffers (send, receive; the send buffer is reused as
-the all-gather's output; the summed piece lives in the delta's buffer).
+for float64 buckets) and two payload buffers (send, receive; with two ranks the receive
+buffer holds both payloads; from three ranks on the send buffer is reused as the
+all-gather's output and the summed piece lives in the delta's buffer).
 
 Where the residual ``e_r`` lives:
 
@@ -63,8 +78,10 @@ Where the residual ``e_r`` lives:
 * ``state`` is ``None`` or a ``ProcessGroup``: error feedback on, block size 128, the
   residual in ``bucket.memory()``, which ``handle.state_dict()`` saves.
 
-Collective ordering: the hook issues the all-to-all, on the averaging group, from the
-thread that runs rounds, and returns; the reduction, the requantization and the
+Collective ordering: the hook issues its first collective (the all-gather with two
+ranks, the all-to-all from three on), on the averaging group, from the thread that runs
+rounds, and returns. With two ranks that is the whole exchange: only the dequantization
+runs, in a callback. From three ranks on the reduction, the requantization and the
 all-gather are deferred (``bucket.defer``) until every bucket's all-to-all is in flight,
 so a round of several buckets waits for the first one while the others travel. In a
 round overlapped with training (on CPU tensors) they run on the registration's
@@ -107,8 +124,9 @@ class QuantizedDeltaState(DeltaState):
     Args:
         block_size: values per float32 scale (an even int >= 2). Smaller blocks follow
             the delta's magnitude more closely and cost ``4 / block_size`` bytes per value.
-        error_feedback: carry both roundings (this rank's own and the requantization of
-            the piece it reduced) into the next round (default ``True``).
+        error_feedback: carry the roundings (this rank's own and, from three ranks on,
+            the requantization of the piece it reduced) into the next round (default
+            ``True``).
         process_group: group to average over; ``None`` means the default group.
 
     One state per registration: residuals are keyed by ``bucket.index()``.
@@ -184,6 +202,29 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
     return gather(out, piece, group=group, async_op=True)
 
 
+def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
+                    delta: torch.Tensor, residual, anchor: torch.Tensor,
+                    out: torch.Tensor) -> torch.futures.Future:
+    """One or two ranks: every rank's codes to every rank in one all-gather, dequantized
+    and added in rank order on each (no requantization)."""
+    n, numel = dist.get_world_size(group), bucket.numel()
+    mine = QuantLayout.for_bucket(numel, 1, block_size, bits)  # this rank's whole delta
+    gathered = mine.stacked(n)  # the ranks' payloads back to back
+    send = bucket.scratch("quant_send", dtype=torch.uint8, numel=mine.total_bytes)
+    recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=gathered.total_bytes)
+    ops.quantize_blocks(delta, send, mine, residual=residual, residual_out=residual)
+    bucket.record_sent(*mine.payload(send, numel))
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()  # raises if the all-gather failed
+        total = ops.dequantize_blocks(recv, gathered, delta, sum_pieces=True)
+        if out.dtype == total.dtype:  # total is the workspace itself: new = anchor - T
+            return torch.sub(anchor, total, out=out)
+        return _sub_(anchor, total, out)
+
+    return _all_gather(recv, send, group).get_future().then(decompress)
+
+
 def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.futures.Future:
     _VALIDATORS[bits](state)
     group, residual = _FAMILY.group_and_residual(state, bucket)
@@ -191,15 +232,17 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
         return completed(bucket.buffer())
     block_size = state.block_size if isinstance(state, QuantizedDeltaState) else DEFAULT_BLOCK_SIZE
     n, rank, numel = dist.get_world_size(group), dist.get_rank(group), bucket.numel()
+    ct = _compute_dtype(bucket)
+    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
+    # the delta is read for the last time before the result overwrites the workspace
+    delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
+    if n <= 2:
+        return _gathered_round(bucket, group, bits, block_size, delta, residual, anchor, out)
     layout = QuantLayout.for_bucket(numel, n, block_size, bits)
     # the payload buffers, reused round after round; send doubles as the all-gather's
     # output once the all-to-all has read it
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=layout.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=layout.total_bytes)
-    ct = _compute_dtype(bucket)
-    anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
-    # the delta is read for the last time before the result overwrites the workspace
-    delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
     ops.quantize_blocks(delta, send, layout, residual=residual, residual_out=residual)
     bucket.record_sent(*layout.payload(send, numel))
     exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
