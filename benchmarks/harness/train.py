@@ -211,7 +211,8 @@ class CommMeter:
     # collective -> (position, keyword) of the tensor this rank sends
     _WRAPPED = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
                 "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
-                "reduce_scatter_tensor": (1, "input"), "all_to_all_single": (1, "input")}
+                "all_gather_single": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input"),
+                "all_to_all_single": (1, "input")}
 
     def __init__(self) -> None:
         self.bytes = 0

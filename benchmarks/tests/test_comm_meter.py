@@ -1,0 +1,34 @@
+"""The training benchmark's byte meter counts what this rank hands to each collective the
+hooks issue, the all-gathers of the int8/int4 rounds included (checked against the hook's
+own ``bytes_sent``)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ddp_avg_hooks as dah
+from ddp_avg_hooks.bucket import ParamBucket
+from ddp_avg_hooks.rounds import run_round
+from harness.train import CommMeter
+
+
+def test_the_meter_counts_every_collective_a_quantized_round_issues():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    meter = CommMeter()
+    try:
+        meter.install()
+        t = torch.zeros(10)
+        dist.all_gather_single(torch.empty(10), t)
+        dist.all_reduce(t)
+        assert meter.bytes == 2 * 40
+        meter.bytes = 0
+        w = torch.nn.Parameter(torch.ones(1000))
+        bucket = ParamBucket(0, [w], is_last=True, keep_anchor=True)
+        with torch.no_grad():
+            w.add_(torch.linspace(-1, 1, 1000))
+        done = run_round(dah.hooks.int8_compress_hook, None, [bucket])
+        # the payload, zero-padded to a whole block: what the hook counts, and a few bytes more
+        assert done.bytes_sent <= meter.bytes <= done.bytes_sent + 128
+    finally:
+        meter.uninstall()
+        dist.destroy_process_group()
