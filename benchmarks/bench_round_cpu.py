@@ -5,7 +5,8 @@ preset), one optimizer step after another. Every variant lives in the same two p
 and they take turns in blocks of 24 steps, in an order rotated per block, so the load
 drifting on the shared cores reaches all of them alike; the first block is a warm-up.
 Variants: ``none`` (the bare module), ``ddp`` (DDP with ``local_sgd_grad_hook``, no
-rounds) and ``fp16`` / ``int8`` / ``int4`` (their hook with ``overlap=True``,
+rounds), ``ddp_no_sync`` (DDP kept in ``no_sync()`` mode: its reducer skipped, no
+bucket copies) and ``fp16`` / ``int8`` / ``int4`` (their hook with ``overlap=True``,
 ``fragments=4``, ``period=8``: a fragment's round launched every 2 steps). Per step,
 means over rank 0's timed steps: the step's wall time and its ratio to ``none``'s, the
 averaging call's wall time and the training thread's CPU time inside it, and the CPU
@@ -31,7 +32,7 @@ import torch
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("none", "ddp", "fp16", "int8", "int4")
+VARIANTS = ("none", "ddp", "ddp_no_sync", "fp16", "int8", "int4")
 HOOKS = {"ddp": "allreduce_hook", "fp16": "fp16_compress_hook", "int8": "int8_compress_hook",
          "int4": "int4_compress_hook"}
 BLOCK_STEPS = 24
@@ -59,7 +60,10 @@ def _rank(rank: int, port: int, code: str, blocks: int, queue) -> None:
         model = CharTransformer(shape["d_model"], shape["n_layers"], shape["n_heads"],
                                 shape["context"])
         after_step = None
-        if name != "none":
+        if name == "ddp_no_sync":
+            model = DDP(model)
+            model.require_backward_grad_sync = False  # what no_sync() sets while it lasts
+        elif name != "none":
             ddp = DDP(model)
             period = 8 if name != "ddp" else 10**9  # "ddp": no round within the run
             handle = dah.register_averaging_hook(ddp, getattr(dah.hooks, HOOKS[name]), None,
