@@ -148,7 +148,7 @@ def main() -> None:
     here = os.path.dirname(HERE)
     codes = [("this checkout", here)]
     if args.compare:
-        codes.append((f"{os.path.abspath(args.compare)}", os.path.abspath(args.compare)))
+        codes.append((os.path.abspath(args.compare), os.path.abspath(args.compare)))
     lines = [f"`python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}`",
              f"(torch {torch.__version__}, {os.cpu_count()} cores, load average "
              f"{os.getloadavg()[0]:.1f} at start; means per step of rank 0, ms)", ""]
@@ -161,9 +161,9 @@ def main() -> None:
                 os.environ.pop("TORCH_EXTENSIONS_DIR", None)
             else:
                 os.environ["TORCH_EXTENSIONS_DIR"] = build
-            rows = measure(code, args.blocks)
-            lines += table(f"{label}, run {pair + 1}", rows)
-            print("\n".join(lines[-(len(rows) + 3):]), flush=True)
+            part = table(f"{label}, run {pair + 1}", measure(code, args.blocks))
+            lines += part
+            print("\n".join(part), flush=True)
     lines.append(f"load average {os.getloadavg()[0]:.1f} at the end")
     if args.out:
         with open(args.out, "w") as f:
