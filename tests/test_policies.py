@@ -111,6 +111,59 @@ def test_optimizer_state_policies(policy, optim):
                     assert torch.count_nonzero(got) == 0
 
 
+def _state_of(model, opt):
+    state = {f"{k}{tuple(p.shape)}": v.clone() for p in model.parameters()
+             for k, v in opt.state[p].items() if k != "step"}
+    bn = model[1]
+    state.update(running_mean=bn.running_mean.clone(), running_var=bn.running_var.clone())
+    return state
+
+
+def _rank_overlapped_state(rank, world_size, mixing):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.BatchNorm1d(2))
+    ddp = DDP(model, broadcast_buffers=False)
+    # beta2 = 0.3: the second moment forgets fast, so that rank 0's, far above the average
+    # at launch, would be corrected below zero when the round is applied a step later
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01, betas=(0.9, 0.3))
+    seen = []
+    opt.register_step_post_hook(lambda o, a, k: seen.append(_state_of(model, opt)))
+    handle = dah.register_averaging_hook(
+        ddp, dah.hooks.allreduce_hook, None, period=4, overlap=True, optimizer=opt,
+        optimizer_state="average", average_buffers=True, mixing=mixing)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    for step in range(2):  # the round launched after step 0 is applied by step 1's end
+        x, y = _batch(rank, step)
+        scale = (10.0 if rank == 0 else 0.1) if step == 0 else 0.01
+        opt.zero_grad()
+        (scale * torch.nn.functional.mse_loss(ddp(x), y)).backward()
+        opt.step()  # our hook first (it saw the state), then the handle's step
+    handle.synchronize()
+    return {"launch": seen[0], "before": seen[1], "after": _state_of(model, opt),
+            "rounds": handle.stats.rounds}
+
+
+@pytest.mark.parametrize("mixing", [None, 0.25])
+def test_an_overlapped_round_keeps_the_local_progress_of_buffers_and_optimizer_state(mixing):
+    results = run_ranks(_rank_overlapped_state, 2, mixing=mixing)
+    clamped = 0
+    for r in results:
+        assert r["rounds"] == 1
+        for key, launch in r["launch"].items():
+            mean = torch.stack([q["launch"][key] for q in results]).mean(0)
+            if mixing is not None:  # the parameters' rule with mixing: a blend
+                want = mixing * r["before"][key] + (1 - mixing) * mean
+                torch.testing.assert_close(r["after"][key], want, rtol=1e-6, atol=1e-7)
+                continue
+            want = r["before"][key] + (mean - launch)  # the parameters' rule
+            if bool((launch >= 0).all()):  # Adam's second moment, the running variance
+                floor = torch.minimum(r["before"][key], mean)
+                clamped += int((want < 0).sum())
+                want = torch.maximum(want, floor)
+            torch.testing.assert_close(r["after"][key], want, rtol=1e-6, atol=1e-7)
+    assert clamped or mixing is not None  # the case the floor exists for did occur
+
+
 # --- schedules ---------------------------------------------------------------------------
 def _rank_schedules(rank, world_size):
     out = {}
