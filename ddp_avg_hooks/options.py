@@ -58,7 +58,8 @@ class AveragingOptions:
         agreed=True)
     optimizer: torch.optim.Optimizer | None = _option(None, (
         "a `torch.optim.Optimizer`: `handle.step()` runs after each of its steps "
-        "(needed by `optimizer_state`)"))
+        "(needed by `optimizer_state`); calling `handle.step()` as well is a "
+        "`RuntimeError` (`handle.detach_optimizer()` hands the stepping back)"))
     keep_anchor: bool | None = _option(None, (
         "bool: keep the parameters as of the last round in every bucket (default: when the "
         "hook declares `needs_anchor`, rounds overlap, or time-based rounds weigh by steps)"),

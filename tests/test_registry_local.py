@@ -170,6 +170,22 @@ def test_optimizer_mode_and_remove(world1):
     handle.remove()  # idempotent
 
 
+def test_stepping_a_handle_the_optimizer_already_steps_is_refused(world1):
+    ddp = DDP(_mlp(3, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         optimizer=opt)
+    opt.zero_grad(); ddp(torch.randn(4, 3)).sum().backward(); opt.step()
+    with pytest.raises(RuntimeError, match="detach_optimizer"):
+        handle.step()  # would count the optimizer's step twice
+    assert handle.step_count == 1
+    handle.detach_optimizer()
+    opt.step()
+    assert not handle.step() and handle.step_count == 2  # stepped by hand from here on
+    assert handle.step() and handle.stats.rounds == 2  # step 2 averages (period 2)
+    handle.remove()
+
+
 def test_state_dict_round_trip_and_mismatch(world1):
     ddp = DDP(_mlp(3, 2))
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=3,
