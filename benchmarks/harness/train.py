@@ -437,21 +437,25 @@ def _fsdp_variant(name: str, spec, model: nn.Module, opt, meter: CommMeter, args
     dah, hook = _need_dah(spec.hook, name)
     if spec.inner_hook is not None:
         hook = hook(getattr(dah.hooks, spec.inner_hook))
-    options = _stream_options(spec, args)
+    options = _stream_options(spec, args, opt)
     handle = dah.register_averaging_hook(
         model, hook, _our_state(dah, spec, args, group=shards.replicate), period=args.period,
         warmup_steps=args.warmup, bucket_cap_mb=args.bucket_cap_mb, overlap=spec.overlap,
         **options)
+    handle.detach_optimizer()  # the loop steps the handle itself (and times it)
     dah.grad_hooks.register_fsdp_grad_hooks(model, handle)
     return Variant(name, model, model, handle.step, handle)
 
 
-def _stream_options(spec, args) -> dict:
-    """The registration options a variant takes from the flags: ``fragments`` for the
-    fragment variants, ``mixing`` for the overlapped ones."""
+def _stream_options(spec, args, opt=None) -> dict:
+    """The registration options a variant takes from the flags and its record:
+    ``fragments`` for the fragment variants, ``mixing`` for the overlapped ones,
+    ``optimizer_state`` (with ``opt``) where the record sets it."""
     options = {"fragments": args.fragments} if spec.fragments else {}
     if spec.overlap and args.mixing is not None:
         options["mixing"] = args.mixing
+    if spec.optimizer_state != "keep":
+        options.update(optimizer_state=spec.optimizer_state, optimizer=opt)
     return options
 
 
@@ -523,11 +527,12 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
         period = max(1, args.period // spec.period_divisor)
     else:
         period = args.period
-    options = _stream_options(spec, args)
+    options = _stream_options(spec, args, opt)
     handle = dah.register_averaging_hook(ddp, hook, _our_state(dah, spec, args), period=period,
                                          warmup_steps=args.warmup,
                                          bucket_cap_mb=args.bucket_cap_mb, overlap=spec.overlap,
                                          **options)
+    handle.detach_optimizer()  # the loop steps the handle itself (and times it)
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
     if node_handle is None:
         return Variant(name, ddp, model, handle.step, handle)

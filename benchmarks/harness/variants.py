@@ -38,6 +38,8 @@ class VariantSpec:
       outer Nesterov SGD, ``--outer-lr`` / ``--outer-momentum``), ``None``: no state;
     - ``overlap``: rounds overlapped with training (``--mixing`` applies);
     - ``fragments``: ``--fragments`` fragments take turns;
+    - ``optimizer_state``: the registration's ``optimizer_state`` (``"average"``: each
+      round also averages the optimizer's moments exactly, over the fp32 wire);
     - ``period_divisor``: rounds every ``max(1, --period // period_divisor)`` steps;
     - ``weighting``: ``TIMED``: the ``EverySeconds`` weighting (``"steps"``, ``"equal"``);
     - ``library``, ``needs``: ``PEER``: ``"torchft"`` or ``"accelerate"``, and the modules
@@ -57,6 +59,7 @@ class VariantSpec:
     powersgd_rank: int | None = None
     overlap: bool = False
     fragments: bool = False
+    optimizer_state: str = "keep"
     period_divisor: int = 1
     weighting: str | None = None
     library: str | None = None
@@ -107,6 +110,10 @@ _SPECS = (
                 fragments=True),
     VariantSpec("int4_streaming", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True),
+    # the same two with the optimizer's moments averaged at each round (exact, fp32)
+    VariantSpec("int4_optstate", OURS, hook="int4_compress_hook", optimizer_state="average"),
+    VariantSpec("int4_streaming_optstate", OURS, hook="int4_compress_hook", overlap=True,
+                fragments=True, optimizer_state="average"),
     # a fragment round at every step with --fragments 4: shorter rounds of fewer bytes
     VariantSpec("int8_streaming_half_period", OURS, hook="int8_compress_hook", overlap=True,
                 fragments=True, period_divisor=2),
