@@ -106,6 +106,14 @@ bench: ext
 	  --variants ddp,none,int4_streaming --period 4 \
 	  --out benchmarks/results/ideas_period4 \
 	  --title "Fewer steps to the target: period 4 instead of 8, 100 Mbit/s, seed 0"
+	$(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed 0 \
+	  --variants ddp,none,int4_streaming --period 4 --variant-args "int4_streaming=--lr 7e-4" \
+	  --out benchmarks/results/ideas_period4_lr \
+	  --title "Fewer steps to the target: period 4 and the replicas at lr 7e-4 (DDP at 1e-3), 100 Mbit/s, seed 0"
+	$(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed 0 \
+	  --variants ddp,none,int4_streaming --period 4 --variant-args "int4_streaming=--fragments 2" \
+	  --out benchmarks/results/ideas_period4_f2 \
+	  --title "Fewer steps to the target: period 4 in 2 fragments, 100 Mbit/s, seed 0"
 	for seed in 0 1; do \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
 	    --variants ddp,none,int4_streaming --variant-args "int4_streaming=--lr 7e-4" \
@@ -114,6 +122,7 @@ bench: ext
 	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
+	$(PY) benchmarks/bench_optimizer_state_steps.py --seeds 0,1,2,3,4
 
 bench-sweep: ext
 	$(PY) benchmarks/bench_diloco_sweep.py
