@@ -72,11 +72,11 @@ def _walk(obj, kind: str, seen: set) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _bucket_tensors(bucket, kind_of_buffer: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A policy bucket's tensors all count as ``policies`` (its buffer and, with overlap,
+    its launch snapshot); another bucket's buffer as ``kind_of_buffer``, the rest by kind."""
     for kind, t in bucket.memory_tensors():
-        if kind == "bucket_buffers":
-            yield kind_of_buffer, t
-        elif kind_of_buffer != "policies":
-            yield kind, t
+        yield (kind_of_buffer if kind == "bucket_buffers" or kind_of_buffer == "policies"
+               else kind), t
 
 
 def count(buckets, hook_state, policy_buckets=()) -> dict[str, dict[str, int]]:

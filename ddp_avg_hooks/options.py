@@ -79,9 +79,9 @@ class AveragingOptions:
         "params_at_launch)`. Keep a round's duration well under the period: the correction "
         "is stale by the steps taken meanwhile, and a round a whole period late can cost "
         "more loss than it saves. Buffers and optimizer state averaged by the round take "
-        "the same rule; one that held no negative value at launch (Adam's second moment, "
-        "a running variance) is kept no lower than the smaller of its value and its "
-        "average"), agreed=True)
+        "the same rule (a copy of them is kept for it); one that held no negative value "
+        "at launch (Adam's second moment, a running variance) is kept no lower than the "
+        "smaller of its value and its average"), agreed=True)
     track_consensus: bool = _option(False, (
         "bool: measure the replicas' mean squared distance from their average at each "
         "round, `stats.consensus_distance` (one scalar all-reduce)"), agreed=True)

@@ -60,9 +60,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from . import ops
 from ._groups import or_world
 from .bucket import BucketRound, ParamBucket
-from . import ops
 from .collectives import Background, exact_average
 from .errors import AveragingHookError
 from .observers import Reporter, RoundObserver
@@ -276,7 +276,7 @@ class RoundEngine:
                 background += record.take_background()
             changes = [r.result_is_delta for r in records]
             extra_futures = []
-            nonnegative = _nonnegative(extras) if overlapped else []
+            nonnegative = _nonnegative(extras) if overlapped and self.mixing is None else []
             for bucket in extras:
                 records.append(bucket.begin_round(overlapped=overlapped))
                 extra_futures.append(exact_average(self.exact_group, bucket))
@@ -358,7 +358,7 @@ class RoundEngine:
         flags = rnd.extras_nonnegative or [[]] * len(rnd.extras)
         for bucket, value, keep in zip(rnd.extras, rnd.extra_results, flags):
             floors = []
-            if any(keep) and self.mixing is None:
+            if any(keep):
                 parts = ops.split_like(value.reshape(-1), bucket.parameters())
                 floors = [(t, torch.minimum(t, part)) for t, part, k
                           in zip(bucket.parameters(), parts, keep) if k]

@@ -76,6 +76,9 @@ def test_outer_optimizer_and_policies(world1):
 def test_overlap_keeps_a_launch_snapshot(world1):
     got = _report(dah.hooks.allreduce_hook, None, overlap=True)
     assert got == _expect(anchors=P, scratch=P)
+    # and of the optimizer state it averages: the momentum's buffer and its snapshot
+    got = _report(dah.hooks.allreduce_hook, None, overlap=True, optimizer_state="average")
+    assert got == _expect(anchors=P, scratch=P, policies=2 * P)
 
 
 @pytest.mark.slow

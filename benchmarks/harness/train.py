@@ -33,6 +33,8 @@ next to this file), listed here in its order:
 - ``fp16_streaming``, ``int8_streaming``, ``int4_streaming``: ``--fragments`` fragments
   taking turns, overlapped with training (Streaming DiLoCo's schedule without the outer
   optimizer); ``int8_streaming_half_period``: the same at half of ``--period``;
+- ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with
+  ``optimizer_state="average"`` (AdamW's moments averaged exactly at each round);
 - ``diloco``, ``diloco_fp16``: ``hooks.outer_optimizer(allreduce_hook)`` (resp.
   ``fp16_compress_hook``), an outer Nesterov SGD over the averaged change (DiLoCo's
   defaults, ``--outer-lr`` / ``--outer-momentum``; use a longer ``--period``, e.g. 32, and
@@ -206,18 +208,24 @@ PRESETS = {  # d_model, n_layers, n_heads, context, batch_size
 # -------------------------------------------------------------------- communication
 
 class CommMeter:
-    """Counts bytes handed to collectives, and times DDP gradient-hook futures."""
+    """Counts bytes handed to collectives, and times DDP gradient-hook futures.
 
-    # collective -> (position, keyword) of the tensor this rank sends
-    _WRAPPED = {"all_reduce": (0, "tensor"), "broadcast": (0, "tensor"), "reduce": (0, "tensor"),
-                "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
-                "all_gather_single": (1, "input_tensor"), "reduce_scatter_tensor": (1, "input"),
-                "all_to_all_single": (1, "input")}
+    Collectives on a group in ``skip_groups`` are not counted: an FSDP2 model's
+    all-gathers inside its replica group, which never cross the link between the groups.
+    """
+
+    # collective -> (position, keyword) of the tensor this rank sends, position of `group`
+    _WRAPPED = {"all_reduce": (0, "tensor", 2), "broadcast": (0, "tensor", 2),
+                "reduce": (0, "tensor", 3), "all_gather": (1, "tensor", 2),
+                "all_gather_into_tensor": (1, "input_tensor", 2),
+                "all_gather_single": (1, "input_tensor", 2),
+                "reduce_scatter_tensor": (1, "input", 3), "all_to_all_single": (1, "input", 4)}
 
     def __init__(self) -> None:
         self.bytes = 0
         self.calls: list[float] = []
         self.dones: list[float] = []
+        self.skip_groups: list = []
         self._orig: dict[str, object] = {}
 
     def install(self) -> None:
@@ -233,10 +241,12 @@ class CommMeter:
             setattr(dist, name, orig)
         self._orig.clear()
 
-    def _counting(self, fn, pos: int, key: str):
+    def _counting(self, fn, pos: int, key: str, group_pos: int):
         def wrapper(*args, **kwargs):
             t = args[pos] if len(args) > pos else kwargs.get(key)
-            if isinstance(t, torch.Tensor):
+            group = args[group_pos] if len(args) > group_pos else kwargs.get("group")
+            if isinstance(t, torch.Tensor) and not (
+                    group is not None and any(group is g for g in self.skip_groups)):
                 self.bytes += t.numel() * t.element_size()
             return fn(*args, **kwargs)
         wrapper.__wrapped__ = fn
@@ -736,6 +746,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         shards = Shards(args, native=spec.fsdp == "native")
         model = shards.shard(model)
         model.bench_shards = shards
+        meter.skip_groups.append(shards.group)  # FSDP's own collectives stay in the group
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))

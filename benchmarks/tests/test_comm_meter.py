@@ -1,6 +1,6 @@
 """The training benchmark's byte meter counts what this rank hands to each collective the
 hooks issue, the all-gathers of the int8/int4 rounds included (checked against the hook's
-own ``bytes_sent``)."""
+own ``bytes_sent``), and not those an FSDP2 model issues inside its replica group."""
 from __future__ import annotations
 
 import torch
@@ -29,6 +29,26 @@ def test_the_meter_counts_every_collective_a_quantized_round_issues():
         done = run_round(dah.hooks.int8_compress_hook, None, [bucket])
         # the payload, zero-padded to a whole block: what the hook counts, and a few bytes more
         assert done.bytes_sent <= meter.bytes <= done.bytes_sent + 128
+    finally:
+        meter.uninstall()
+        dist.destroy_process_group()
+
+
+def test_collectives_inside_a_skipped_group_are_not_counted():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    meter = CommMeter()
+    try:
+        meter.install()
+        inside = dist.new_group([0])  # an FSDP2 replica group's own collectives
+        meter.skip_groups.append(inside)
+        t = torch.zeros(10)
+        dist.all_gather_single(torch.empty(10), t, inside)  # positional group
+        dist.all_gather_single(torch.empty(10), t, group=inside)
+        dist.all_reduce(t, group=inside)
+        assert meter.bytes == 0
+        dist.all_gather_single(torch.empty(10), t)  # the default group: across the link
+        dist.all_to_all_single(torch.empty(10), t)
+        assert meter.bytes == 2 * 40
     finally:
         meter.uninstall()
         dist.destroy_process_group()
