@@ -15,7 +15,6 @@ the target" of ``benchmarks/RESULTS.md``. About 12 minutes on 2 cores.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -61,12 +60,7 @@ def _seed_lines(seed: int, runs: dict[tuple[str, float], dict]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", default="0,1")
-    p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "lr_steps"))
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
-    a = p.parse_args(argv)
+    a = launch.study_args(__doc__, "0,1", "lr_steps", argv)
     t0 = time.time()
     saved, md_seeds = {}, []
     for seed in (int(s) for s in a.seeds.split(",")):

@@ -18,7 +18,6 @@ minutes a seed on 2 cores.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -65,12 +64,7 @@ def _lines(runs: dict[int, dict[str, dict]]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", default="0,1,2,3,4")
-    p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "optstate_steps"))
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
-    a = p.parse_args(argv)
+    a = launch.study_args(__doc__, "0,1,2,3,4", "optstate_steps", argv)
     t0 = time.time()
     runs: dict[int, dict[str, dict]] = {}
     for seed in (int(s) for s in a.seeds.split(",")):

@@ -18,6 +18,7 @@ torchrun is killed (each runs in its own session) before the error is raised.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -210,3 +211,15 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def study_args(doc: str, seeds: str, runs_name: str, argv=None) -> argparse.Namespace:
+    """The flags of a loopback study over seeds (``--seeds``, ``--runs-dir`` under
+    ``out/runs_name``, ``--timeout`` a run, ``--results-md``), parsed from ``argv``."""
+    benchmarks = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--seeds", default=seeds)
+    p.add_argument("--runs-dir", default=os.path.join(benchmarks, os.pardir, "out", runs_name))
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--results-md", default=os.path.join(benchmarks, "RESULTS.md"))
+    return p.parse_args(argv)
