@@ -409,18 +409,20 @@ class ParamBucket:
 
     @torch.no_grad()
     def apply(self, value: torch.Tensor, *, is_delta: bool = False, overlapped: bool = False,
-              mixing: float | None = None) -> None:
+              mixing: float | None = None, keep_nonnegative: bool = False) -> None:
         """Write a checked round result into the parameters in place; the anchor follows.
 
         ``is_delta``: ``value`` is ``anchor - new``. ``overlapped``: the round ran while
         training went on; the result is applied as ``params + (new - params_at_launch)``
         or, with ``mixing=alpha``, as ``alpha * params + (1 - alpha) * new``, and the
-        anchor becomes ``new`` (identical on every rank).
+        anchor becomes ``new`` (identical on every rank). ``keep_nonnegative``: see
+        :meth:`DeviceStorage.write_with_progress
+        <ddp_avg_hooks.storage.DeviceStorage.write_with_progress>`.
         """
         storage = self._storage
         if overlapped:
             new = self._new_values(value) if is_delta else value
-            storage.write_with_progress(new, self._launch, mixing)
+            storage.write_with_progress(new, self._launch, mixing, keep_nonnegative)
         elif is_delta:
             storage.write_change(value)
         else:

@@ -123,7 +123,6 @@ class AveragingHandle:
         #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
         self.grad_process_group = (model and model.grad_process_group) or dist.group.WORLD
         self._optimizer_hook = None
-        self._stepping_for_optimizer = False
         self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
         self._removed = False
@@ -209,13 +208,17 @@ class AveragingHandle:
         Collective on the averaging group when it averages. Returns True if a round
         ran (or was launched, with ``overlap=True``) at this step.
         """
-        self._check_alive("step")
-        if self._optimizer_hook is not None and not self._stepping_for_optimizer:
+        if self._optimizer_hook is not None:
             raise RuntimeError(
                 "AveragingHandle.step() called while the handle already steps after each "
                 "optimizer.step() (optimizer= was passed): each optimizer step would count "
                 "twice and the period halve. Drop the explicit step() call, or call "
                 "handle.detach_optimizer() to step the handle yourself")
+        return self._advance()
+
+    def _advance(self) -> bool:
+        """:meth:`step`'s work; the optimizer's post-hook calls it directly."""
+        self._check_alive("step")
         if self._plan.timed:  # applying a round starts the clock of the next one
             overdue = self._plan.in_round_for() >= self._schedule.seconds
             for rnd in list(self._in_flight):
@@ -420,14 +423,7 @@ class AveragingHandle:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does)."""
-        self._optimizer_hook = StepHooks(optimizer, self._step_for_optimizer)
-
-    def _step_for_optimizer(self) -> None:
-        self._stepping_for_optimizer = True
-        try:
-            self.step()
-        finally:
-            self._stepping_for_optimizer = False
+        self._optimizer_hook = StepHooks(optimizer, self._advance)
 
     @property
     def attached_optimizer(self) -> bool:

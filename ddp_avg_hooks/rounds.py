@@ -60,7 +60,6 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from . import ops
 from ._groups import or_world
 from .bucket import BucketRound, ParamBucket
 from .collectives import Background, exact_average
@@ -134,8 +133,6 @@ class Round:
         futures: the hook's futures, one per bucket.
         changes: per bucket, whether its result is ``anchor - new``.
         extras: the policies' buckets (averaged exactly); ``extra_futures`` theirs.
-        extras_nonnegative: in an overlapped round, per extra bucket and tensor, whether
-            it held no negative value at launch (such a tensor stays nonnegative).
         overlapped: it runs while training goes on.
         fragment: the fragment it averages (``None``: every bucket).
         weights: the ranks' step counts in flight (a weighted round), if any.
@@ -156,7 +153,6 @@ class Round:
     overlapped: bool
     fragment: int | None = None
     weights: WeightExchange | None = None
-    extras_nonnegative: list[list[bool]] = dataclasses.field(default_factory=list)
     completed_at: float | None = None
     results: list[torch.Tensor] | None = None
     extra_results: list[torch.Tensor] | None = None
@@ -276,7 +272,6 @@ class RoundEngine:
                 background += record.take_background()
             changes = [r.result_is_delta for r in records]
             extra_futures = []
-            nonnegative = _nonnegative(extras) if overlapped and self.mixing is None else []
             for bucket in extras:
                 records.append(bucket.begin_round(overlapped=overlapped))
                 extra_futures.append(exact_average(self.exact_group, bucket))
@@ -284,8 +279,7 @@ class RoundEngine:
             for fn in background:  # in bucket order: the same on every rank
                 self.background.submit(fn)
         return Round(where, list(buckets), records, futures, changes, extras, extra_futures,
-                     started, overlapped, fragment=fragment, weights=exchange,
-                     extras_nonnegative=nonnegative)
+                     started, overlapped, fragment=fragment, weights=exchange)
 
     def _call_hook(self, bucket: ParamBucket, where: str):
         try:
@@ -336,7 +330,11 @@ class RoundEngine:
         with _profiler_range("ddp_avg_hooks::round::write_back"):
             for bucket, value, change in zip(rnd.buckets, rnd.results, rnd.changes):
                 bucket.apply(value, is_delta=change, overlapped=rnd.overlapped, mixing=self.mixing)
-            self._apply_extras(rnd)
+            # the policies' buffers and state take the parameters' rule; what can't be
+            # negative (a second moment, a running variance) stays so
+            for bucket, value in zip(rnd.extras, rnd.extra_results):
+                bucket.apply(value, overlapped=rnd.overlapped, mixing=self.mixing,
+                             keep_nonnegative=True)
         for policy in self.policies:
             policy.after_write_back()
         self.stats.rounds += 1
@@ -347,24 +345,6 @@ class RoundEngine:
         self.stats.seconds += time.perf_counter() - rnd.started
         self.reporter.report_local(handle, self.stats.rounds, measured)
         return rnd
-
-    def _apply_extras(self, rnd: Round) -> None:
-        """Write the policies' averages back. An overlapped round's take the parameters'
-        rule (the local progress since launch is kept); a tensor that held no negative
-        value at launch (a second moment, a running variance) is then kept no lower than
-        the smaller of its value before the write-back and its average, since the
-        progress can be a decay larger than the average's gain (``mixing``'s blend needs
-        no floor)."""
-        flags = rnd.extras_nonnegative or [[]] * len(rnd.extras)
-        for bucket, value, keep in zip(rnd.extras, rnd.extra_results, flags):
-            floors = []
-            if any(keep):
-                parts = ops.split_like(value.reshape(-1), bucket.parameters())
-                floors = [(t, torch.minimum(t, part)) for t, part, k
-                          in zip(bucket.parameters(), parts, keep) if k]
-            bucket.apply(value, overlapped=rnd.overlapped, mixing=self.mixing)
-            for t, floor in floors:
-                torch.maximum(t, floor, out=t)
 
     def report_deferred(self, handle=None) -> None:
         """Run the collective reports an overlapped round left (at a step all ranks share)."""
@@ -417,19 +397,6 @@ class RoundEngine:
             raise self.error(bucket, where,
                              "result has nan or inf (check_finite=True); nothing written")
         return value
-
-
-def _nonnegative(buckets: Sequence[ParamBucket]) -> list[list[bool]]:
-    """Per bucket and tensor, whether the tensor holds no negative value (one host sync)."""
-    tensors = [t for b in buckets for t in b.parameters()]
-    mins = [t.detach().min() if t.numel() else t.new_zeros(()) for t in tensors]
-    flat = torch.stack(mins).ge(0).tolist() if mins else []
-    out, i = [], 0
-    for b in buckets:
-        n = len(b.parameters())
-        out.append(flat[i:i + n])
-        i += n
-    return out
 
 
 def run_round(hook: Callable, state, buckets: Sequence[ParamBucket], *,

@@ -159,21 +159,32 @@ class DeviceStorage:
 
     @torch.no_grad()
     def write_with_progress(self, values: torch.Tensor, launch: torch.Tensor,
-                            mixing: float | None) -> None:
+                            mixing: float | None, keep_nonnegative: bool = False) -> None:
         """Apply an overlapped round; the anchor becomes ``values``.
 
         ``mixing=None``: ``params <- params + (values - launch)``, keeping the local
         progress made since the round began (``launch``: the parameters then; it is
         overwritten). ``mixing=alpha``: ``params <- alpha * params + (1 - alpha) * values``.
+        ``keep_nonnegative`` (``mixing=None``): a tensor that held no negative value at
+        launch (a second moment, a running variance) is kept no lower than the smaller of
+        its value and its new value, since its progress can be a decay larger than the
+        average's gain; ``values`` serves as scratch for it.
         """
         values = self.on_device(values)
+        if self.anchor is not None:
+            self.anchor.copy_(values)
         if mixing is not None:
             torch._foreach_lerp_(self.params, ops.split_like(values, self.params), 1.0 - mixing)
         else:
+            held = _nonnegative(ops.split_like(launch, self.params)) if keep_nonnegative else []
             correction = launch.neg_().add_(values)
+            parts = ops.split_like(values, self.params) if held else []
+            floors = [parts[i] for i in held]
+            for i, floor in zip(held, floors):
+                torch.minimum(self.params[i], floor, out=floor)
             torch._foreach_add_(self.params, ops.split_like(correction, self.params))
-        if self.anchor is not None:
-            self.anchor.copy_(values)
+            for i, floor in zip(held, floors):
+                torch.maximum(self.params[i], floor, out=self.params[i])
         self.end_round()
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -311,3 +322,11 @@ class ZeroCopyStorage(DeviceStorage):
         yield from (("scratch", t) for t in (self._copy, self._work) if t is not None)
         if self.anchor is not None:
             yield "anchors", self.anchor
+
+
+def _nonnegative(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The indices of ``tensors`` that hold no negative value (one host sync for all)."""
+    if not tensors:
+        return []
+    mins = [t.min() if t.numel() else t.new_zeros(()) for t in tensors]
+    return [i for i, ok in enumerate(torch.stack(mins).ge(0).tolist()) if ok]

@@ -209,10 +209,6 @@ def main(argv=None) -> int:
     return 0 if outcome["ok"] else 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def study_args(doc: str, seeds: str, runs_name: str, argv=None) -> argparse.Namespace:
     """The flags of a loopback study over seeds (``--seeds``, ``--runs-dir`` under
     ``out/runs_name``, ``--timeout`` a run, ``--results-md``), parsed from ``argv``."""
@@ -223,3 +219,7 @@ def study_args(doc: str, seeds: str, runs_name: str, argv=None) -> argparse.Name
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--results-md", default=os.path.join(benchmarks, "RESULTS.md"))
     return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
