@@ -18,13 +18,11 @@ minutes a seed on 2 cores.
 """
 from __future__ import annotations
 
-import json
 import os
-import statistics
 import sys
 import time
 
-from harness import launch, report
+from harness import launch, report, steps_study
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Fewer steps to the target: averaging the optimizer's state"
@@ -32,52 +30,13 @@ STEPS, BUDGET, PERIOD, LR = 300, 200, 8, 1e-3
 VARIANTS = ("ddp", "int4", "int4_optstate", "int4_streaming", "int4_streaming_optstate")
 
 
-def _steps(run: dict, target: float) -> float | None:
-    return report.steps_to_target(run, target, interpolate=True)
-
-
-def _cell(x: float | None) -> str:
-    return "not reached" if x is None else f"{x / BUDGET:.3f}"
-
-
-def _lines(runs: dict[int, dict[str, dict]]) -> list[str]:
-    seeds = sorted(runs)
-    head = " | ".join(f"seed {s}" for s in seeds)
-    lines = [f"Steps to DDP's loss at {BUDGET} steps, over DDP's {BUDGET} (interpolated); "
-             "bytes sent by rank 0 to that loss over `int4`'s:", "",
-             f"| variant | {head} | mean | bytes x |", "|" + "---|" * (len(seeds) + 3)]
-    for name in VARIANTS[1:]:
-        cells, ratios, sent = [], [], []
-        for s in seeds:
-            target = report.loss_at_step(runs[s]["ddp"], BUDGET)
-            st = _steps(runs[s][name], target)
-            cells.append(_cell(st))
-            if st is not None:
-                ratios.append(st / BUDGET)
-            b, base = (report.bytes_to_target(runs[s][v], target) for v in (name, "int4"))
-            if b and base:
-                sent.append(b / base)
-        mean = f"{statistics.mean(ratios):.3f}" if len(ratios) == len(seeds) else "-"
-        bx = f"{statistics.median(sent):.1f}" if sent else "-"
-        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {mean} | {bx} |")
-    return lines + [""]
-
-
 def main(argv=None) -> int:
     a = launch.study_args(__doc__, "0,1,2,3,4", "optstate_steps", argv)
     t0 = time.time()
-    runs: dict[int, dict[str, dict]] = {}
-    for seed in (int(s) for s in a.seeds.split(",")):
-        runs[seed] = {}
-        for name in VARIANTS:
-            args = ["--preset", "bench", "--steps", str(STEPS), "--eval-every", "20",
-                    "--period", str(PERIOD), "--lr", str(LR), "--seed", str(seed),
-                    "--progress", "off", "--hook", name]
-            out = os.path.join(a.runs_dir, f"seed{seed}", name)
-            runs[seed][name] = launch.run_training(args, out, timeout_s=a.timeout)
-            print(f"seed {seed} {name}: loss @ {BUDGET} "
-                  f"{report.loss_at_step(runs[seed][name], BUDGET):.4f}",
-                  file=sys.stderr, flush=True)
+    configs = {name: ["--period", str(PERIOD), "--lr", str(LR), "--hook", name]
+               for name in VARIANTS}
+    runs = steps_study.train_all(configs, [int(s) for s in a.seeds.split(",")], a.runs_dir,
+                                 steps=STEPS, budget=BUDGET, timeout_s=a.timeout)
     cmd = "python benchmarks/bench_optimizer_state_steps.py" + "".join(
         f" {x}" for x in (argv or sys.argv[1:]))
     md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
@@ -85,12 +44,12 @@ def main(argv=None) -> int:
           f"20-step warm-up), {STEPS} steps, period {PERIOD} (`*_streaming*`: 4 fragments, "
           "overlapped), validation every 20 steps. `*_optstate`: the same with "
           "`optimizer_state=\"average\"` (AdamW's two moments averaged exactly, in fp32, "
-          "at each round; with fragments, at fragment 0's).", "", *_lines(runs)]
+          "at each round; with fragments, at fragment 0's).", "",
+          f"Steps to DDP's loss at {BUDGET} steps, over DDP's {BUDGET} (interpolated); "
+          "bytes sent by rank 0 to that loss over `int4`'s:", "",
+          *steps_study.table(runs, list(VARIANTS[1:]), budget=BUDGET, bytes_base="int4")]
     report.write_section(a.results_md, "\n".join(md).rstrip() + "\n", title=SECTION)
-    with open(os.path.join(HERE, "results", "optimizer_state_steps.json"), "w") as f:
-        json.dump(dict(command=cmd, runs={str(s): {n: dict(config=r["config"], evals=r["evals"])
-                                                   for n, r in v.items()}
-                                          for s, v in runs.items()}), f, indent=1)
+    steps_study.save(os.path.join(HERE, "results", "optimizer_state_steps.json"), cmd, runs)
     print("\n".join(md))
     return 0
 

@@ -1,0 +1,80 @@
+"""Loopback studies of steps to DDP's loss: named configurations of ``train.py``, over seeds.
+
+The number of steps to a loss does not depend on the link, so these studies train on
+loopback: 2 ranks, the ``bench`` preset, validation every 20 steps. Each configuration
+(``train.py`` flags, one of them ``"ddp"``, the reference) trains once per seed; steps to
+DDP's loss after ``budget`` steps are interpolated between the two validations around it.
+
+>>> run = lambda *vs: {"evals": [{"step": 20 * (k + 1), "val_loss": v, "bytes": 10 * (k + 1)}
+...                              for k, v in enumerate(vs)]}
+>>> runs = {0: {"ddp": run(3.0, 2.0), "a": run(3.0, 2.5, 2.0)}}
+>>> print("\\n".join(table(runs, ["a"], budget=40)))
+| configuration | seed 0 | mean |
+|---|---|---|
+| `a` | 1.500 | 1.500 |
+<BLANKLINE>
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import sys
+
+from . import launch, report
+
+
+def train_all(configs: dict[str, list[str]], seeds: list[int], runs_dir: str, *,
+              steps: int, budget: int, timeout_s: float) -> dict[int, dict[str, dict]]:
+    """Train every configuration once per seed; ``{seed: {name: metrics}}``."""
+    runs: dict[int, dict[str, dict]] = {}
+    for seed in seeds:
+        runs[seed] = {}
+        for name, flags in configs.items():
+            args = ["--preset", "bench", "--steps", str(steps), "--eval-every", "20",
+                    "--seed", str(seed), "--progress", "off", *flags]
+            out = os.path.join(runs_dir, f"seed{seed}", re.sub(r"[^A-Za-z0-9_]+", "_", name))
+            runs[seed][name] = launch.run_training(args, out, timeout_s=timeout_s)
+            print(f"seed {seed} {name}: loss @ {budget} "
+                  f"{report.loss_at_step(runs[seed][name], budget):.4f}",
+                  file=sys.stderr, flush=True)
+    return runs
+
+
+def table(runs: dict[int, dict[str, dict]], names: list[str], *, budget: int,
+          bytes_base: str | None = None) -> list[str]:
+    """Markdown rows: each of ``names``' steps to DDP's loss at ``budget`` steps over
+    ``budget``, per seed and their mean; with ``bytes_base``, the median over seeds of the
+    bytes sent to that loss over ``bytes_base``'s."""
+    seeds = sorted(runs)
+    head = " | ".join(f"seed {s}" for s in seeds)
+    extra = " bytes x |" if bytes_base else ""
+    lines = [f"| configuration | {head} | mean |{extra}",
+             "|" + "---|" * (len(seeds) + 2 + bool(bytes_base))]
+    for name in names:
+        cells, ratios, sent = [], [], []
+        for s in seeds:
+            target = report.loss_at_step(runs[s]["ddp"], budget)
+            st = report.steps_to_target(runs[s][name], target, interpolate=True)
+            cells.append("not reached" if st is None else f"{st / budget:.3f}")
+            if st is not None:
+                ratios.append(st / budget)
+            if bytes_base:
+                b, base = (report.bytes_to_target(runs[s][v], target) for v in (name, bytes_base))
+                if b and base:
+                    sent.append(b / base)
+        mean = f"{statistics.mean(ratios):.3f}" if len(ratios) == len(seeds) else "-"
+        row = f"| `{name}` | " + " | ".join(cells) + f" | {mean} |"
+        if bytes_base:
+            row += f" {statistics.median(sent):.1f} |" if sent else " - |"
+        lines.append(row)
+    return lines + [""]
+
+
+def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
+    """Write the command and every run's configuration and validations as JSON."""
+    with open(path, "w") as f:
+        json.dump(dict(command=command, runs={str(s): {n: dict(config=r["config"], evals=r["evals"])
+                                                       for n, r in v.items()}
+                                              for s, v in runs.items()}), f, indent=1)
