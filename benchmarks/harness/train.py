@@ -30,6 +30,7 @@ next to this file), listed here in its order:
 - ``allreduce_overlap``, ``fp16_overlap``: the same with ``overlap=True`` (a round's
   bytes travel while training goes on; ``--mixing`` applies);
 - ``int8``, ``int4``: blockwise 8- and 4-bit deltas with error feedback;
+  ``int4_overlap``: ``int4`` with ``overlap=True``;
 - ``fp16_streaming``, ``int8_streaming``, ``int4_streaming``: ``--fragments`` fragments
   taking turns, overlapped with training (Streaming DiLoCo's schedule without the outer
   optimizer); ``int8_streaming_half_period``: the same at half of ``--period``;
@@ -537,6 +538,12 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
         period = max(1, args.period // spec.period_divisor)
     else:
         period = args.period
+    if args.period_after is not None:
+        if spec.family == variants.TIMED or spec.fragments:
+            raise SystemExit(f"--period-after needs a step-based variant without fragments, "
+                             f"not {name}")
+        switch_step, period_after = args.period_after
+        period = dah.schedules.PostLocalPeriod(period, switch_step, period_after)
     options = _stream_options(spec, args, opt)
     handle = dah.register_averaging_hook(ddp, hook, _our_state(dah, spec, args), period=period,
                                          warmup_steps=args.warmup,
@@ -555,11 +562,21 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
 
 # ---------------------------------------------------------------------------- main
 
+def _step_and_period(text: str) -> tuple[int, int]:
+    step, sep, period = text.partition(":")
+    if not sep or not step.isdigit() or not period.isdigit():
+        raise argparse.ArgumentTypeError(f"expected STEP:PERIOD, e.g. 100:8, got {text!r}")
+    return int(step), int(period)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hook", default="allreduce", choices=VARIANTS)
     p.add_argument("--period", type=int, default=8, help="optimizer steps between averaging rounds")
+    p.add_argument("--period-after", type=_step_and_period, default=None, metavar="STEP:PERIOD",
+                   help="our variants without fragments: --period until STEP, then PERIOD "
+                        "(schedules.PostLocalPeriod)")
     p.add_argument("--warmup", type=int, default=0,
                    help="steps of DDP gradient averaging before local SGD starts")
     p.add_argument("--steps", type=int, default=200)

@@ -103,6 +103,7 @@ _SPECS = (
     # blockwise 8- and 4-bit deltas with error feedback
     VariantSpec("int8", OURS, hook="int8_compress_hook"),
     VariantSpec("int4", OURS, hook="int4_compress_hook"),
+    VariantSpec("int4_overlap", OURS, hook="int4_compress_hook", overlap=True),
     # Streaming DiLoCo's schedule without the outer optimizer, overlapped with training
     VariantSpec("fp16_streaming", OURS, hook="fp16_compress_hook", overlap=True,
                 fragments=True),

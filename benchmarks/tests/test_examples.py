@@ -87,6 +87,12 @@ def test_local_sgd_trains_and_bytes_agree_with_handle_stats(tmp_path):
     assert r["summary"]["median_local_step_s"] is not None
 
 
+def test_period_after_switches_the_period_at_a_step(tmp_path):
+    r = _run("allreduce", tmp_path, ["--period", "2", "--period-after", "10:4"])
+    # rounds every 2 steps from step 0; the round at step 10 sets the next 4 steps later
+    assert [s["step"] for s in r["steps"] if s["averaged"]] == [0, 2, 4, 6, 8, *range(10, 40, 4)]
+
+
 @pytest.mark.parametrize("hook,bytes_per_param", [("diloco", 4), ("diloco_fp16", 2)])
 def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, bytes_per_param):
     r = _run(hook, tmp_path, ["--lr", "1e-3"])
