@@ -176,14 +176,18 @@ class DeviceStorage:
         if mixing is not None:
             torch._foreach_lerp_(self.params, ops.split_like(values, self.params), 1.0 - mixing)
         else:
-            held = _nonnegative(ops.split_like(launch, self.params)) if keep_nonnegative else []
+            held = (_nonnegative(ops.split_like(launch, self.params),
+                                 host=_decides_on_host(launch.device))
+                    if keep_nonnegative else [])
             correction = launch.neg_().add_(values)
             parts = ops.split_like(values, self.params) if held else []
-            floors = [parts[i] for i in held]
-            for i, floor in zip(held, floors):
+            floors = [parts[i] for i, _ in held]
+            for (i, flag), floor in zip(held, floors):
                 torch.minimum(self.params[i], floor, out=floor)
+                if flag is not None:  # no floor where the tensor held a negative value
+                    floor.masked_fill_(flag.logical_not(), float("-inf"))
             torch._foreach_add_(self.params, ops.split_like(correction, self.params))
-            for i, floor in zip(held, floors):
+            for (i, _), floor in zip(held, floors):
                 torch.maximum(self.params[i], floor, out=self.params[i])
         self.end_round()
 
@@ -324,9 +328,24 @@ class ZeroCopyStorage(DeviceStorage):
             yield "anchors", self.anchor
 
 
-def _nonnegative(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """The indices of ``tensors`` that hold no negative value (one host sync for all)."""
+def _decides_on_host(device: torch.device) -> bool:
+    """Whether a value needed to pick a write's path is read on the host (CPU tensors:
+    no queue to stall) or stays on the device (an accelerator)."""
+    return device.type == "cpu"
+
+
+def _nonnegative(tensors: Sequence[torch.Tensor], *, host: bool
+                 ) -> list[tuple[int, torch.Tensor | None]]:
+    """``(index, flag)`` for the ``tensors`` that may hold no negative value.
+
+    ``host``: decided on the host, with one sync for all of them: only those that hold
+    none, with ``flag=None``. Otherwise (an accelerator, where a sync would stall the
+    training thread behind the queued work) every non-empty tensor, with a 0-dim bool
+    ``flag`` on its device saying whether it holds none.
+    """
     if not tensors:
         return []
+    if not host:
+        return [(i, t.amin().ge(0)) for i, t in enumerate(tensors) if t.numel()]
     mins = [t.min() if t.numel() else t.new_zeros(()) for t in tensors]
-    return [i for i, ok in enumerate(torch.stack(mins).ge(0).tolist()) if ok]
+    return [(i, None) for i, ok in enumerate(torch.stack(mins).ge(0).tolist()) if ok]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ddp_avg_hooks.bucket import BucketRound, ParamBucket, assign_buckets
+from ddp_avg_hooks import storage as storage_module
 from ddp_avg_hooks.storage import DeviceStorage, HostStorage, ZeroCopyStorage
 
 STORAGES = {"device": DeviceStorage, "host": HostStorage, "zero_copy": ZeroCopyStorage,
@@ -106,6 +107,36 @@ def test_an_overlapped_round_keeps_the_progress_made_meanwhile(storage, mixing):
     expected = (now + (averaged - launch) if mixing is None
                 else mixing * now + (1 - mixing) * averaged)
     torch.testing.assert_close(_flat(ps), expected, rtol=0, atol=1e-6)
+    assert torch.equal(b.stored_anchor(), averaged)
+
+
+@pytest.mark.parametrize("device, on_host", [
+    ("cpu", True), ("cpu", False),  # False: an accelerator's path (no host sync), on the CPU
+    pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                         reason="no CUDA device"))])
+def test_an_overlapped_round_keeps_a_nonnegative_tensor_no_lower_than_its_value_or_average(
+        monkeypatch, device, on_host):
+    if on_host is not None:
+        monkeypatch.setattr(storage_module, "_decides_on_host", lambda device: on_host)
+    second_moment = torch.nn.Parameter(torch.tensor([4.0, 1.0, 0.0], device=device))
+    momentum = torch.nn.Parameter(torch.tensor([1.0, -2.0], device=device))
+    ps = [second_moment, momentum]
+    b = ParamBucket(0, ps, is_last=True, keep_anchor=True, storage=DeviceStorage)
+    b.begin_round(overlapped=True)
+    launch = _flat(ps)
+    with torch.no_grad():  # decays while the round is in flight
+        second_moment.mul_(0.1)
+        momentum.mul_(0.1)
+    now = _flat(ps)
+    averaged = torch.tensor([1.0, 3.0, 0.0, 3.0, -4.0], device=device)
+    b.apply(averaged.clone(), overlapped=True, keep_nonnegative=True)
+    plain = now + (averaged - launch)  # [-2.6, 2.1, 0, 2.1, -2.2]
+    # the nonnegative tensor: no lower than min(its value, its average) = [0.4, 0.1, 0]
+    floor = torch.minimum(now[:3], averaged[:3])
+    expected = torch.cat([torch.maximum(plain[:3], floor), plain[3:]])
+    torch.testing.assert_close(_flat(ps), expected, rtol=0, atol=1e-6)
+    assert _flat(ps)[0].item() == pytest.approx(0.4) and _flat(ps)[3:].tolist() == pytest.approx(
+        [2.1, -2.2])  # a tensor that held a negative value keeps the plain rule
     assert torch.equal(b.stored_anchor(), averaged)
 
 
