@@ -18,40 +18,21 @@ minutes a seed on 2 cores.
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
+from harness import steps_study
 
-from harness import launch, report, steps_study
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SECTION = "## Fewer steps to the target: averaging the optimizer's state"
-STEPS, BUDGET, PERIOD, LR = 300, 200, 8, 1e-3
+PERIOD = 8
 VARIANTS = ("ddp", "int4", "int4_optstate", "int4_streaming", "int4_streaming_optstate")
 
 
 def main(argv=None) -> int:
-    a = launch.study_args(__doc__, "0,1,2,3,4", "optstate_steps", argv)
-    t0 = time.time()
-    configs = {name: ["--period", str(PERIOD), "--lr", str(LR), "--hook", name]
-               for name in VARIANTS}
-    runs = steps_study.train_all(configs, [int(s) for s in a.seeds.split(",")], a.runs_dir,
-                                 steps=STEPS, budget=BUDGET, timeout_s=a.timeout)
-    cmd = "python benchmarks/bench_optimizer_state_steps.py" + "".join(
-        f" {x}" for x in (argv or sys.argv[1:]))
-    md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
-          f"~1M-parameter `bench` preset, batch 8 per rank, AdamW at lr {LR:g} (after a "
-          f"20-step warm-up), {STEPS} steps, period {PERIOD} (`*_streaming*`: 4 fragments, "
-          "overlapped), validation every 20 steps. `*_optstate`: the same with "
-          "`optimizer_state=\"average\"` (AdamW's two moments averaged exactly, in fp32, "
-          "at each round; with fragments, at fragment 0's).", "",
-          f"Steps to DDP's loss at {BUDGET} steps, over DDP's {BUDGET} (interpolated); "
-          "bytes sent by rank 0 to that loss over `int4`'s:", "",
-          *steps_study.table(runs, list(VARIANTS[1:]), budget=BUDGET, bytes_base="int4")]
-    report.write_section(a.results_md, "\n".join(md).rstrip() + "\n", title=SECTION)
-    steps_study.save(os.path.join(HERE, "results", "optimizer_state_steps.json"), cmd, runs)
-    print("\n".join(md))
-    return 0
+    return steps_study.main(
+        __doc__, "bench_optimizer_state_steps.py", argv=argv, bytes_base="int4",
+        section="## Fewer steps to the target: averaging the optimizer's state",
+        json_name="optimizer_state_steps.json",
+        configs={name: ["--period", str(PERIOD), "--hook", name] for name in VARIANTS},
+        describe=f"Period {PERIOD} (`*_streaming*`: 4 fragments, overlapped). `*_optstate`: "
+                 "the same with `optimizer_state=\"average\"` (AdamW's two moments averaged "
+                 "exactly, in fp32, at each round; with fragments, at fragment 0's).")
 
 
 if __name__ == "__main__":

@@ -16,15 +16,8 @@ seed on 2 cores.
 """
 from __future__ import annotations
 
-import os
-import sys
-import time
+from harness import steps_study
 
-from harness import launch, report, steps_study
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SECTION = "## Fewer steps to the target: where the period costs steps"
-STEPS, BUDGET, LR = 300, 200, 1e-3
 CONFIGS = {
     "ddp": ["--hook", "ddp"],
     "allreduce, period 1": ["--hook", "allreduce", "--period", "1"],
@@ -40,26 +33,14 @@ CONFIGS = {
 
 
 def main(argv=None) -> int:
-    a = launch.study_args(__doc__, "0,1,2,3,4", "period_steps", argv)
-    t0 = time.time()
-    configs = {name: ["--lr", str(LR), *flags] for name, flags in CONFIGS.items()}
-    runs = steps_study.train_all(configs, [int(s) for s in a.seeds.split(",")], a.runs_dir,
-                                 steps=STEPS, budget=BUDGET, timeout_s=a.timeout)
-    cmd = "python benchmarks/bench_period_steps.py" + "".join(
-        f" {x}" for x in (argv or sys.argv[1:]))
-    md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
-          f"~1M-parameter `bench` preset, batch 8 per rank, AdamW at lr {LR:g} (after a "
-          f"20-step warm-up), {STEPS} steps, validation every 20 steps. `allreduce`: exact "
-          "blocking rounds; `int4_overlap`: 4-bit rounds overlapped with training, with "
-          "the period changing at a step by `schedules.PostLocalPeriod`.", "",
-          f"Steps to DDP's loss at {BUDGET} steps, over DDP's {BUDGET} (interpolated); bytes "
-          "sent by rank 0 to that loss over `int4_overlap, period 8`'s:", "",
-          *steps_study.table(runs, list(CONFIGS)[1:], budget=BUDGET,
-                             bytes_base="int4_overlap, period 8")]
-    report.write_section(a.results_md, "\n".join(md).rstrip() + "\n", title=SECTION)
-    steps_study.save(os.path.join(HERE, "results", "period_steps.json"), cmd, runs)
-    print("\n".join(md))
-    return 0
+    return steps_study.main(
+        __doc__, "bench_period_steps.py", argv=argv, configs=CONFIGS,
+        bytes_base="int4_overlap, period 8",
+        section="## Fewer steps to the target: where the period costs steps",
+        json_name="period_steps.json",
+        describe="`allreduce`: exact blocking rounds; `int4_overlap`: 4-bit rounds "
+                 "overlapped with training, with the period changing at a step by "
+                 "`schedules.PostLocalPeriod`.")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ import os
 import re
 import statistics
 import sys
+import time
 
 from . import launch, report
+
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train_all(configs: dict[str, list[str]], seeds: list[int], runs_dir: str, *,
@@ -78,3 +81,27 @@ def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
         json.dump(dict(command=command, runs={str(s): {n: dict(config=r["config"], evals=r["evals"])
                                                        for n, r in v.items()}
                                               for s, v in runs.items()}), f, indent=1)
+
+
+def main(doc: str, script: str, *, section: str, json_name: str,
+         configs: dict[str, list[str]], describe: str, bytes_base: str,
+         lr: float = 1e-3, steps: int = 300, budget: int = 200, argv=None) -> int:
+    """A study's command line: train ``configs`` (each at ``--lr lr``) over ``--seeds``,
+    then write the section ``section`` of RESULTS.md (the setting, ``describe``, and the
+    table of every configuration but ``"ddp"``) and ``results/json_name``."""
+    a = launch.study_args(doc, "0,1,2,3,4", os.path.splitext(json_name)[0], argv)
+    t0 = time.time()
+    runs = train_all({name: ["--lr", str(lr), *flags] for name, flags in configs.items()},
+                     [int(s) for s in a.seeds.split(",")], a.runs_dir,
+                     steps=steps, budget=budget, timeout_s=a.timeout)
+    cmd = f"python benchmarks/{script}" + "".join(f" {x}" for x in (argv or sys.argv[1:]))
+    md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
+          f"~1M-parameter `bench` preset, batch 8 per rank, AdamW at lr {lr:g} (after a "
+          f"20-step warm-up), {steps} steps, validation every 20 steps. {describe}", "",
+          f"Steps to DDP's loss at {budget} steps, over DDP's {budget} (interpolated); bytes "
+          f"sent by rank 0 to that loss over `{bytes_base}`'s:", "",
+          *table(runs, [n for n in configs if n != "ddp"], budget=budget, bytes_base=bytes_base)]
+    report.write_section(a.results_md, "\n".join(md).rstrip() + "\n", title=section)
+    save(os.path.join(BENCHMARKS, "results", json_name), cmd, runs)
+    print("\n".join(md))
+    return 0

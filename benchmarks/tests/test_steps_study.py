@@ -1,0 +1,49 @@
+"""The loopback steps studies' command line: every configuration trained over the seeds,
+the table of steps to DDP's loss written into its section, and the runs saved (hand-made
+validation curves, no training here)."""
+from __future__ import annotations
+
+import json
+
+import bench_period_steps
+from harness import steps_study
+
+
+def _run(*losses, bytes_per_eval=100):
+    return {"config": {}, "evals": [{"step": 20 * k, "train_s": k, "bytes": bytes_per_eval * k,
+                                     "val_loss": v} for k, v in enumerate(losses, 1)]}
+
+
+def test_a_study_trains_every_configuration_and_writes_its_section(monkeypatch, tmp_path):
+    trained = {}
+
+    def train_all(configs, seeds, runs_dir, *, steps, budget, timeout_s):
+        trained.update(configs=configs, seeds=seeds, steps=steps, budget=budget)
+        # DDP reaches 2.0 at step 200; every other configuration at step 200 on seed 0,
+        # and on seed 1 halfway between its validations at 200 (2.1) and 220 (1.9)
+        curves = {0: (2.2, 2.0, 1.9), 1: (2.2, 2.1, 1.9)}
+        return {s: {n: (_run(*[3.0] * 9, 2.0) if n == "ddp"
+                        else _run(*[3.0] * 9, *curves[s][1:], bytes_per_eval=10))
+                    for n in configs} for s in seeds}
+
+    monkeypatch.setattr(steps_study, "train_all", train_all)
+    monkeypatch.setattr(steps_study, "BENCHMARKS", str(tmp_path))
+    (tmp_path / "results").mkdir()
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
+    assert bench_period_steps.main(["--seeds", "0,1", "--results-md", str(results)]) == 0
+
+    assert trained["seeds"] == [0, 1] and trained["steps"] == 300
+    assert all(flags[:2] == ["--lr", "0.001"] for flags in trained["configs"].values())
+    assert trained["configs"]["int4_overlap, period 2 to step 100, then 8"][2:] == [
+        "--hook", "int4_overlap", "--period", "2", "--period-after", "100:8"]
+    text = results.read_text()
+    assert "## Another section\n\nkept" in text
+    section = text[text.index("## Fewer steps to the target: where the period costs steps"):]
+    # seed 0: at or below 2.0 first at step 200 -> 1.000; seed 1: 200 + 20 * 0.1 / 0.2 = 210
+    assert "| `allreduce, period 1` | 1.000 | 1.050 | 1.025 | 1.0 |" in section
+    assert "`ddp`" not in section
+    saved = json.loads((tmp_path / "results" / "period_steps.json").read_text())
+    assert saved["command"] == "python benchmarks/bench_period_steps.py --seeds 0,1 " \
+                               f"--results-md {results}"
+    assert set(saved["runs"]) == {"0", "1"} and len(saved["runs"]["0"]) == len(trained["configs"])
