@@ -85,19 +85,22 @@ def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
 
 def main(doc: str, script: str, *, section: str, json_name: str,
          configs: dict[str, list[str]], describe: str, bytes_base: str,
-         lr: float = 1e-3, steps: int = 300, budget: int = 200, argv=None) -> int:
-    """A study's command line: train ``configs`` (each at ``--lr lr``) over ``--seeds``,
+         lr: float = 1e-3, lr_warmup: int = 20, steps: int = 300, budget: int = 200,
+         argv=None) -> int:
+    """A study's command line: train ``configs`` (each at ``--lr lr``, warmed up over
+    ``lr_warmup`` steps) over ``--seeds``,
     then write the section ``section`` of RESULTS.md (the setting, ``describe``, and the
     table of every configuration but ``"ddp"``) and ``results/json_name``."""
     a = launch.study_args(doc, "0,1,2,3,4", os.path.splitext(json_name)[0], argv)
     t0 = time.time()
-    runs = train_all({name: ["--lr", str(lr), *flags] for name, flags in configs.items()},
+    runs = train_all({name: ["--lr", str(lr), "--lr-warmup", str(lr_warmup), *flags]
+                      for name, flags in configs.items()},
                      [int(s) for s in a.seeds.split(",")], a.runs_dir,
                      steps=steps, budget=budget, timeout_s=a.timeout)
     cmd = f"python benchmarks/{script}" + "".join(f" {x}" for x in (argv or sys.argv[1:]))
     md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
           f"~1M-parameter `bench` preset, batch 8 per rank, AdamW at lr {lr:g} (after a "
-          f"20-step warm-up), {steps} steps, validation every 20 steps. {describe}", "",
+          f"{lr_warmup}-step warm-up), {steps} steps, validation every 20 steps. {describe}", "",
           f"Steps to DDP's loss at {budget} steps, over DDP's {budget} (interpolated); bytes "
           f"sent by rank 0 to that loss over `{bytes_base}`'s:", "",
           *table(runs, [n for n in configs if n != "ddp"], budget=budget, bytes_base=bytes_base)]

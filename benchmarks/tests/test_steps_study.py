@@ -34,8 +34,9 @@ def test_a_study_trains_every_configuration_and_writes_its_section(monkeypatch, 
     assert bench_period_steps.main(["--seeds", "0,1", "--results-md", str(results)]) == 0
 
     assert trained["seeds"] == [0, 1] and trained["steps"] == 300
-    assert all(flags[:2] == ["--lr", "0.001"] for flags in trained["configs"].values())
-    assert trained["configs"]["int4_overlap, period 2 to step 100, then 8"][2:] == [
+    assert all(flags[:4] == ["--lr", "0.001", "--lr-warmup", "20"]
+               for flags in trained["configs"].values())
+    assert trained["configs"]["int4_overlap, period 2 to step 100, then 8"][4:] == [
         "--hook", "int4_overlap", "--period", "2", "--period-after", "100:8"]
     text = results.read_text()
     assert "## Another section\n\nkept" in text
