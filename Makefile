@@ -120,6 +120,12 @@ bench: ext
 	    --out benchmarks/results/ideas_lr_seed$$seed \
 	    --title "Fewer steps to the target: the replicas at lr 7e-4 (DDP at 1e-3), 100 Mbit/s, seed $$seed"; \
 	done
+	for seed in 0 1; do \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming --train-args "--lr-warmup 60" \
+	    --out benchmarks/results/ideas_warmup60_seed$$seed \
+	    --title "Fewer steps to the target: a 60-step learning-rate warm-up for every method, 100 Mbit/s, seed $$seed"; \
+	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 	$(PY) benchmarks/bench_optimizer_state_steps.py --seeds 0,1,2,3,4
