@@ -119,8 +119,6 @@ bench: ext
 	    --variants ddp,none,int4_streaming --variant-args "int4_streaming=--lr 7e-4" \
 	    --out benchmarks/results/ideas_lr_seed$$seed \
 	    --title "Fewer steps to the target: the replicas at lr 7e-4 (DDP at 1e-3), 100 Mbit/s, seed $$seed"; \
-	done
-	for seed in 0 1; do \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
 	    --variants ddp,none,int4_streaming --train-args "--lr-warmup 60" \
 	    --out benchmarks/results/ideas_warmup60_seed$$seed \

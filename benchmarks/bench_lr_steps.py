@@ -15,12 +15,11 @@ the target" of ``benchmarks/RESULTS.md``. About 12 minutes on 2 cores.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 
-from harness import launch, report
+from harness import launch, report, steps_study
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SECTION = "## Learning rate and steps to the target"
@@ -62,22 +61,14 @@ def _seed_lines(seed: int, runs: dict[tuple[str, float], dict]) -> list[str]:
 def main(argv=None) -> int:
     a = launch.study_args(__doc__, "0,1", "lr_steps", argv)
     t0 = time.time()
-    saved, md_seeds = {}, []
-    for seed in (int(s) for s in a.seeds.split(",")):
-        runs = {}
-        for hook, lrs in GRID.items():
-            for lr in lrs:
-                args = ["--preset", "bench", "--steps", str(STEPS), "--eval-every", "20",
-                        "--period", str(PERIOD), "--lr", str(lr), "--seed", str(seed),
-                        "--progress", "off", "--hook", hook]
-                out = os.path.join(a.runs_dir, f"seed{seed}", f"{hook}_lr{lr:g}")
-                runs[(hook, lr)] = launch.run_training(args, out, timeout_s=a.timeout)
-                print(f"seed {seed} {hook} lr {lr:g}: loss @ {BUDGET} "
-                      f"{report.loss_at_step(runs[(hook, lr)], BUDGET):.4f}",
-                      file=sys.stderr, flush=True)
-        md_seeds += _seed_lines(seed, runs)
-        saved[str(seed)] = {f"{h}@{lr:g}": dict(config=r["config"], evals=r["evals"])
-                            for (h, lr), r in runs.items()}
+    grid = {f"{hook}@{lr:g}": (hook, lr) for hook, lrs in GRID.items() for lr in lrs}
+    configs = {name: ["--period", str(PERIOD), "--lr", str(lr), "--hook", hook]
+               for name, (hook, lr) in grid.items()}
+    runs = steps_study.train_all(configs, [int(s) for s in a.seeds.split(",")], a.runs_dir,
+                                 steps=STEPS, budget=BUDGET, timeout_s=a.timeout)
+    md_seeds = []
+    for seed, by_name in runs.items():
+        md_seeds += _seed_lines(seed, {grid[name]: run for name, run in by_name.items()})
     cmd = "python benchmarks/bench_lr_steps.py" + "".join(f" {x}" for x in (argv or sys.argv[1:]))
     md = [f"Command: `{cmd}` ({(time.time() - t0) / 60:.1f} min). Loopback, 2 ranks, "
           f"~1M-parameter `bench` preset, batch 8 per rank, AdamW (constant lr after a 20-step "
@@ -85,8 +76,7 @@ def main(argv=None) -> int:
           f"target interpolated between the validations around it, and over DDP's budget of "
           f"{BUDGET} in brackets.", "", *md_seeds]
     report.write_section(a.results_md, "\n".join(md).rstrip() + "\n", title=SECTION)
-    with open(os.path.join(HERE, "results", "lr_steps.json"), "w") as f:
-        json.dump(dict(command=cmd, runs=saved), f, indent=1)
+    steps_study.save(os.path.join(HERE, "results", "lr_steps.json"), cmd, runs)
     print("\n".join(md))
     return 0
 

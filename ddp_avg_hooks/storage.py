@@ -180,15 +180,14 @@ class DeviceStorage:
                                  host=_decides_on_host(launch.device))
                     if keep_nonnegative else [])
             correction = launch.neg_().add_(values)
-            parts = ops.split_like(values, self.params) if held else []
-            floors = [parts[i] for i, _ in held]
-            for (i, flag), floor in zip(held, floors):
-                torch.minimum(self.params[i], floor, out=floor)
+            floors = ops.split_like(values, self.params) if held else []
+            for i, flag in held:
+                torch.minimum(self.params[i], floors[i], out=floors[i])
                 if flag is not None:  # no floor where the tensor held a negative value
-                    floor.masked_fill_(flag.logical_not(), float("-inf"))
+                    floors[i].masked_fill_(flag.logical_not(), float("-inf"))
             torch._foreach_add_(self.params, ops.split_like(correction, self.params))
-            for (i, _), floor in zip(held, floors):
-                torch.maximum(self.params[i], floor, out=self.params[i])
+            for i, _ in held:
+                torch.maximum(self.params[i], floors[i], out=self.params[i])
         self.end_round()
 
     def on_device(self, t: torch.Tensor) -> torch.Tensor:

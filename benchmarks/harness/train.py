@@ -539,9 +539,6 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
     else:
         period = args.period
     if args.period_after is not None:
-        if spec.family == variants.TIMED or spec.fragments:
-            raise SystemExit(f"--period-after needs a step-based variant without fragments, "
-                             f"not {name}")
         switch_step, period_after = args.period_after
         period = dah.schedules.PostLocalPeriod(period, switch_step, period_after)
     options = _stream_options(spec, args, opt)
@@ -628,6 +625,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     _sibling("uneven").add_args(p)
     _sibling("timed_loop").add_args(p)
     args = p.parse_args(argv)
+    spec = VARIANTS[args.hook]
+    if args.period_after is not None and (spec.family not in (variants.OURS, variants.HIERARCHICAL)
+                                          or spec.fragments or spec.fsdp):
+        p.error(f"--period-after: {args.hook} takes no changing period (it needs one of our "
+                "step-based variants, without fragments or FSDP2)")
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -93,6 +93,14 @@ def test_period_after_switches_the_period_at_a_step(tmp_path):
     assert [s["step"] for s in r["steps"] if s["averaged"]] == [0, 2, 4, 6, 8, *range(10, 40, 4)]
 
 
+@pytest.mark.parametrize("hook", ["int4_streaming", "fp16_timed", "torch_localsgd", "fsdp_int8"])
+def test_period_after_is_refused_where_it_would_not_apply(hook, capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--hook", hook, "--period-after", "10:4"])
+    assert exc.value.code == 2
+    assert f"--period-after: {hook} takes no changing period" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("hook,bytes_per_param", [("diloco", 4), ("diloco_fp16", 2)])
 def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, bytes_per_param):
     r = _run(hook, tmp_path, ["--lr", "1e-3"])
