@@ -75,6 +75,49 @@ def table(runs: dict[int, dict[str, dict]], names: list[str], *, budget: int,
     return lines + [""]
 
 
+def loss_table(runs: dict[int, dict[str, dict]], names: list[str], *, budget: int,
+               base: str) -> list[str]:
+    """Markdown rows: each of ``names``' validation loss after ``budget`` steps, per seed,
+    with its gap to ``base``'s loss on that seed; then the mean gap, the largest, and the
+    median over seeds of the bytes sent in those steps over ``base``'s.
+
+    >>> run = lambda v, b: {"evals": [{"step": 200, "val_loss": v, "bytes": b}]}
+    >>> runs = {0: {"pma": run(2.0, 8), "a": run(2.02, 1)},
+    ...         1: {"pma": run(2.5, 8), "a": run(2.4, 1)}}
+    >>> print("\\n".join(loss_table(runs, ["pma", "a"], budget=200, base="pma")))
+    | configuration | seed 0 | seed 1 | mean gap | largest gap | bytes x |
+    |---|---|---|---|---|---|
+    | `pma` | 2.000 | 2.500 | +0.00% | +0.00% | 1.000 |
+    | `a` | 2.020 (+1.00%) | 2.400 (-4.00%) | -1.50% | -4.00% | 0.125 |
+    <BLANKLINE>
+    """
+    seeds = sorted(runs)
+    lines = ["| configuration | " + " | ".join(f"seed {s}" for s in seeds)
+             + " | mean gap | largest gap | bytes x |", "|" + "---|" * (len(seeds) + 4)]
+    for name in names:
+        cells, gaps, sent = [], [], []
+        for s in seeds:
+            loss, ref = (report.loss_at_step(runs[s][n], budget) for n in (name, base))
+            if loss is None or ref is None:
+                cells.append("-")
+                continue
+            b, b_ref = (_bytes_at_step(runs[s][n], budget) for n in (name, base))
+            if b_ref:
+                sent.append(b / b_ref)
+            gaps.append(loss / ref - 1)
+            cells.append(f"{loss:.3f}" + ("" if name == base else f" ({gaps[-1]:+.2%})"))
+        whole = len(gaps) == len(seeds)
+        mean = f"{statistics.mean(gaps):+.2%}" if whole else "-"
+        largest = f"{max(gaps, key=abs):+.2%}" if whole else "-"
+        ratio = f"{statistics.median(sent):.3f}" if sent else "-"
+        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {mean} | {largest} | {ratio} |")
+    return lines + [""]
+
+
+def _bytes_at_step(run: dict, step: int) -> float:
+    return next(e["bytes"] for e in run["evals"] if e["step"] == step)
+
+
 def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
     """Write the command and every run's configuration and validations as JSON."""
     with open(path, "w") as f:
@@ -85,12 +128,14 @@ def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
 
 def main(doc: str, script: str, *, section: str, json_name: str,
          configs: dict[str, list[str]], describe: str, bytes_base: str,
-         lr: float = 1e-3, lr_warmup: int = 20, steps: int = 300, budget: int = 200,
-         argv=None) -> int:
+         loss_base: str | None = None, lr: float = 1e-3, lr_warmup: int = 20,
+         steps: int = 300, budget: int = 200, argv=None) -> int:
     """A study's command line: train ``configs`` (each at ``--lr lr``, warmed up over
     ``lr_warmup`` steps) over ``--seeds``,
     then write the section ``section`` of RESULTS.md (the setting, ``describe``, and the
-    table of every configuration but ``"ddp"``) and ``results/json_name``."""
+    table of every configuration but ``"ddp"``; with ``loss_base``, also every
+    configuration's loss after ``budget`` steps against ``loss_base``'s) and
+    ``results/json_name``."""
     a = launch.study_args(doc, "0,1,2,3,4", os.path.splitext(json_name)[0], argv)
     t0 = time.time()
     runs = train_all({name: ["--lr", str(lr), "--lr-warmup", str(lr_warmup), *flags]
@@ -104,6 +149,11 @@ def main(doc: str, script: str, *, section: str, json_name: str,
           f"Steps to DDP's loss at {budget} steps, over DDP's {budget} (interpolated); bytes "
           f"sent by rank 0 to that loss over `{bytes_base}`'s:", "",
           *table(runs, [n for n in configs if n != "ddp"], budget=budget, bytes_base=bytes_base)]
+    if loss_base:
+        md += [f"Validation loss after {budget} steps (DDP's budget), and its gap to "
+               f"`{loss_base}`'s on the same seed; bytes sent by rank 0 in those steps over "
+               f"`{loss_base}`'s:", "",
+               *loss_table(runs, list(configs), budget=budget, base=loss_base)]
     report.write_section(a.results_md, "\n".join(md).rstrip() + "\n", title=section)
     save(os.path.join(BENCHMARKS, "results", json_name), cmd, runs)
     print("\n".join(md))

@@ -48,3 +48,39 @@ def test_a_study_trains_every_configuration_and_writes_its_section(monkeypatch, 
     assert saved["command"] == "python benchmarks/bench_period_steps.py --seeds 0,1 " \
                                f"--results-md {results}"
     assert set(saved["runs"]) == {"0", "1"} and len(saved["runs"]["0"]) == len(trained["configs"])
+
+
+def test_the_compression_study_writes_the_loss_at_equal_steps_against_its_reference(
+        monkeypatch, tmp_path):
+    import bench_compression_steps
+    from harness import train
+
+    trained = {}
+
+    def train_all(configs, seeds, runs_dir, *, steps, budget, timeout_s):
+        trained.update(configs)
+        # every run validates at 20, ..., 200; the loss at 200: 2.0 for the reference,
+        # 2.01 for int4 (+0.50%), 2.1 for everything else (+5.00%)
+        losses = {"torch_localsgd": 2.0, "int4": 2.01}
+        return {s: {n: _run(*[3.0] * 9, losses.get(n, 2.1),
+                            bytes_per_eval=8 if n == "torch_localsgd" else 1)
+                    for n in configs} for s in seeds}
+
+    monkeypatch.setattr(steps_study, "train_all", train_all)
+    monkeypatch.setattr(steps_study, "BENCHMARKS", str(tmp_path))
+    (tmp_path / "results").mkdir()
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n")
+    assert bench_compression_steps.main(["--seeds", "0,1", "--results-md", str(results)]) == 0
+
+    text = results.read_text()
+    section = text[text.index("## Compressed rounds at equal steps: against "
+                              "PeriodicModelAverager"):]
+    assert "| `torch_localsgd` | 2.000 | 2.000 | +0.00% | +0.00% | 1.000 |" in section
+    assert "| `int4` | 2.010 (+0.50%) | 2.010 (+0.50%) | +0.50% | +0.50% | 0.125 |" in section
+    # each configuration's flags as train.py reads them: a study's lr comes first, so
+    # DiLoCo's own inner lr and period must win
+    parsed = {n: train.parse_args(flags) for n, flags in trained.items()}
+    assert parsed["torch_localsgd"].hook == "torch_localsgd" and parsed["int4"].period == 8
+    assert (parsed["diloco_int4"].lr, parsed["diloco_int4"].period) == (3e-4, 32)
+    assert parsed["int4_streaming"].lr == 1e-3
