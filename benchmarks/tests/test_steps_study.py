@@ -14,6 +14,17 @@ def _run(*losses, bytes_per_eval=100):
                                      "val_loss": v} for k, v in enumerate(losses, 1)]}
 
 
+def _isolate(monkeypatch, tmp_path, train_all):
+    """Train with ``train_all`` instead, and write into a RESULTS.md and results/ under
+    ``tmp_path``; the RESULTS.md, which holds one other section."""
+    monkeypatch.setattr(steps_study, "train_all", train_all)
+    monkeypatch.setattr(steps_study, "BENCHMARKS", str(tmp_path))
+    (tmp_path / "results").mkdir()
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
+    return results
+
+
 def test_a_study_trains_every_configuration_and_writes_its_section(monkeypatch, tmp_path):
     trained = {}
 
@@ -26,11 +37,7 @@ def test_a_study_trains_every_configuration_and_writes_its_section(monkeypatch, 
                         else _run(*[3.0] * 9, *curves[s][1:], bytes_per_eval=10))
                     for n in configs} for s in seeds}
 
-    monkeypatch.setattr(steps_study, "train_all", train_all)
-    monkeypatch.setattr(steps_study, "BENCHMARKS", str(tmp_path))
-    (tmp_path / "results").mkdir()
-    results = tmp_path / "RESULTS.md"
-    results.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
+    results = _isolate(monkeypatch, tmp_path, train_all)
     assert bench_period_steps.main(["--seeds", "0,1", "--results-md", str(results)]) == 0
 
     assert trained["seeds"] == [0, 1] and trained["steps"] == 300
@@ -66,11 +73,7 @@ def test_the_compression_study_writes_the_loss_at_equal_steps_against_its_refere
                             bytes_per_eval=8 if n == "torch_localsgd" else 1)
                     for n in configs} for s in seeds}
 
-    monkeypatch.setattr(steps_study, "train_all", train_all)
-    monkeypatch.setattr(steps_study, "BENCHMARKS", str(tmp_path))
-    (tmp_path / "results").mkdir()
-    results = tmp_path / "RESULTS.md"
-    results.write_text("# Benchmark results\n")
+    results = _isolate(monkeypatch, tmp_path, train_all)
     assert bench_compression_steps.main(["--seeds", "0,1", "--results-md", str(results)]) == 0
 
     text = results.read_text()
