@@ -87,3 +87,15 @@ def test_the_compression_study_writes_the_loss_at_equal_steps_against_its_refere
     assert parsed["torch_localsgd"].hook == "torch_localsgd" and parsed["int4"].period == 8
     assert (parsed["diloco_int4"].lr, parsed["diloco_int4"].period) == (3e-4, 32)
     assert parsed["int4_streaming"].lr == 1e-3
+
+
+def test_the_validation_study_validates_every_configuration_on_eight_times_the_batches():
+    import bench_validation_steps
+    from harness import train
+
+    parsed = {n: train.parse_args(["--lr", "0.001", *flags])
+              for n, flags in bench_validation_steps.CONFIGS.items()}
+    assert set(parsed) == {"ddp", "allreduce", "int4"}
+    default = train.parse_args([]).eval_batches
+    assert all(a.eval_batches == 8 * default for a in parsed.values())
+    assert (parsed["allreduce"].hook, parsed["allreduce"].period) == ("allreduce", 8)
