@@ -11,7 +11,7 @@ lr 1e-3; ``diloco`` and ``diloco_int4`` (outer Nesterov SGD lr 0.7, momentum 0.9
 32, inner lr 3e-4, the slow-link runs' DiLoCo setting) against each other.
 
 Outputs ``benchmarks/results/compression_steps.json`` and the section "Compressed rounds
-at equal steps: against PeriodicModelAverager" of ``benchmarks/RESULTS.md``. About 6
+at equal steps: against PeriodicModelAverager" of ``benchmarks/RESULTS.md``. About 4
 minutes a seed on 2 cores.
 
     python benchmarks/bench_compression_steps.py --seeds 0,1,2,3,4

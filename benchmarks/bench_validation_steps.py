@@ -10,7 +10,7 @@ against PeriodicModelAverager". Blocking rounds repeat a run exactly, so the two
 the same training runs through two validation sets.
 
 Outputs ``benchmarks/results/validation_steps.json`` and the section "Steps to the
-target: a validation set 8 times larger" of ``benchmarks/RESULTS.md``. About 3 minutes
+target: a validation set 8 times larger" of ``benchmarks/RESULTS.md``. About 1.5 minutes
 a seed on 2 cores.
 
     python benchmarks/bench_validation_steps.py --seeds 0,1,2,3,4
