@@ -28,6 +28,9 @@ __all__ = ["AveragingHandle", "AveragingStats", "difference"]
 # the keys of state_dict() that load_state_dict() needs
 _KEYS = ("step_count", "next_round", "plan", "weight_totals", "config", "schedule", "anchors",
          "bucket_memory", "stats")
+# settings a checkpoint's config may lack, having been written before they existed, with
+# the value it was made with
+_ADDED_SETTINGS = {"fragment_layout": "contiguous"}
 
 
 def setting_name(key: str, theirs, mine) -> str:
@@ -375,7 +378,7 @@ class AveragingHandle:
                 + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
             )
         for key, mine in self.config().items():
-            theirs = state_dict["config"].get(key)
+            theirs = state_dict["config"].get(key, _ADDED_SETTINGS.get(key))
             if theirs != mine:
                 raise SettingsMismatchError(
                     f"load_state_dict: the checkpoint was made with other settings: "

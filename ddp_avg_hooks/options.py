@@ -27,6 +27,7 @@ import torch
 
 from ._checks import check_bool, check_int
 from ._groups import is_group
+from .planner import FRAGMENT_LAYOUTS
 from .schedules import ConstantPeriod, EverySeconds, PeriodSchedule, as_schedule
 
 __all__ = ["AveragingOptions", "OPTIMIZER_STATE_POLICIES", "markdown_table"]
@@ -105,14 +106,21 @@ class AveragingOptions:
         "bucket at a time; results are bit-identical; between rounds the device holds "
         "nothing but the parameters (see `ddp_avg_hooks.storage`)"))
     fragments: int = _option(1, (
-        "int K >= 1: streaming rounds: the parameters, cut into K near-equal fragments in "
-        "parameter order, take turns; fragment `f` is averaged at step `s` iff `s >= "
+        "int K >= 1: streaming rounds: the parameters, dealt into K near-equal fragments "
+        "as `fragment_layout` says, take turns; fragment `f` is averaged at step `s` iff `s >= "
         "warmup_steps and (s - warmup_steps - f * period // K) % period == 0`, so every "
         "parameter is averaged once per period and a round sends 1/K of the model; "
         "`period < K` is a `ValueError`; buffers and optimizer state go with fragment 0; "
         "with `outer_optimizer` each fragment takes its own outer step (Streaming DiLoCo); "
         "with `overlap`, rounds of different fragments are in flight together, each applied "
         "at the latest before its own fragment's next round"), agreed=True)
+    fragment_layout: str = _option("contiguous", (
+        "`\"contiguous\"` or `\"interleaved\"`, with `fragments > 1`: how the parameters are "
+        "dealt into fragments, never splitting one. `contiguous` cuts them in parameter "
+        "order, so a fragment holds neighbouring layers; `interleaved` deals the largest "
+        "first, each to the fragment with the fewest elements so far, so every fragment "
+        "takes layers from all over the model (see `ddp_avg_hooks.planner.split_fragments`)"),
+        agreed=True)
     mixing: float | None = _option(None, (
         "number in [0, 1], with `overlap`: apply a late round as `alpha * params + (1 - "
         "alpha) * averaged` (Streaming DiLoCo's merge) instead of adding the change; this "
@@ -168,6 +176,12 @@ class AveragingOptions:
                 "training cannot go on during it: drop overlap=True (or zero_copy=True)"
             )
         check_int("fragments", self.fragments, 1)
+        if self.fragment_layout not in FRAGMENT_LAYOUTS:
+            raise ValueError(f"fragment_layout must be one of {FRAGMENT_LAYOUTS}, "
+                             f"got {self.fragment_layout!r}")
+        if self.fragment_layout != "contiguous" and self.fragments == 1:
+            raise ValueError(f"fragment_layout={self.fragment_layout!r} sets how fragments=K "
+                             "cut the model: pass fragments=K (K > 1) too")
         if self.mixing is not None:
             if isinstance(self.mixing, bool) or not isinstance(self.mixing, (int, float)):
                 raise TypeError("mixing must be a number in [0, 1] or None, got "

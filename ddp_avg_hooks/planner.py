@@ -35,21 +35,37 @@ import torch
 from .schedules import EverySeconds, PeriodSchedule
 
 
-def split_fragments(params: list[torch.Tensor], fragments: int, *,
-                    allow_empty: bool = False) -> list[list[torch.Tensor]]:
-    """``params`` in order, cut into ``fragments`` parts of near-equal element count.
+FRAGMENT_LAYOUTS = ("contiguous", "interleaved")
 
-    A parameter is never split; each cut sits where the running count comes closest to
-    an equal share. Raises ``ValueError`` when there are fewer parameters than fragments,
-    unless ``allow_empty`` (a rank's local shards of an FSDP2 model: the last fragments
-    are then empty, on this rank and on the ranks it averages with).
+
+def split_fragments(params: list[torch.Tensor], fragments: int, *,
+                    allow_empty: bool = False,
+                    layout: str = "contiguous") -> list[list[torch.Tensor]]:
+    """``params`` dealt into ``fragments`` parts of near-equal element count.
+
+    A parameter is never split, and each part keeps the parameters' order.
+
+    * ``layout="contiguous"``: ``params`` in order, cut where the running count comes
+      closest to an equal share; a part holds neighbouring layers.
+    * ``layout="interleaved"``: the largest parameter first (in order among equals),
+      each to the part with the fewest elements so far, then the fewest parameters
+      (the lowest index among equals); every part takes layers from all over the model.
+
+    Raises ``ValueError`` when there are fewer parameters than fragments, unless
+    ``allow_empty`` (a rank's local shards of an FSDP2 model: the last fragments are
+    then empty, on this rank and on the ranks it averages with).
 
     Example:
         >>> import torch
         >>> sizes = [4, 4, 1, 7, 8]
-        >>> [[p.numel() for p in f] for f in split_fragments([torch.zeros(n) for n in sizes], 2)]
+        >>> ps = [torch.zeros(n) for n in sizes]
+        >>> [[p.numel() for p in f] for f in split_fragments(ps, 2)]
         [[4, 4, 1], [7, 8]]
+        >>> [[p.numel() for p in f] for f in split_fragments(ps, 2, layout="interleaved")]
+        [[4, 8], [4, 1, 7]]
     """
+    if layout not in FRAGMENT_LAYOUTS:
+        raise ValueError(f"fragment layout must be one of {FRAGMENT_LAYOUTS}, got {layout!r}")
     if fragments > len(params) and allow_empty:
         return [[p] for p in params] + [[] for _ in range(fragments - len(params))]
     if fragments > len(params):
@@ -57,6 +73,8 @@ def split_fragments(params: list[torch.Tensor], fragments: int, *,
             f"fragments={fragments} but the model has only {len(params)} parameters to "
             "average (a parameter is never split): use fragments <= the parameter count"
         )
+    if layout == "interleaved":
+        return _interleaved(params, fragments)
     total = sum(p.numel() for p in params)
     parts: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
     f, running = 0, 0
@@ -71,6 +89,17 @@ def split_fragments(params: list[torch.Tensor], fragments: int, *,
         parts[f].append(p)
         running += p.numel()
     return parts
+
+
+def _interleaved(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+    """Largest first, each to the least-filled part; every part keeps ``params``' order."""
+    filled = [(0, 0)] * fragments  # (elements, parameters) per part
+    owner = [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
+        f = min(range(fragments), key=lambda f: filled[f])
+        owner[i] = f
+        filled[f] = (filled[f][0] + params[i].numel(), filled[f][1] + 1)
+    return [[p for i, p in enumerate(params) if owner[i] == f] for f in range(fragments)]
 
 
 class RoundPlanner:

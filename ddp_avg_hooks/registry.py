@@ -155,7 +155,8 @@ def register_averaging_hook(
         storage = HostStorage if opts.offload_state else DeviceStorage
     keep_anchor = opts.wants_anchor(spec.needs_anchor)
     fragments, buckets = [], []
-    parts = split_fragments(params, opts.fragments, allow_empty=model.sharded)
+    parts = split_fragments(params, opts.fragments, allow_empty=model.sharded,
+                            layout=opts.fragment_layout)
     for i, part in enumerate(parts):
         fragments.append(assign_buckets(part, bucket_cap_mb, first_index=len(buckets),
                                         ends=i == len(parts) - 1, keep_anchor=keep_anchor,

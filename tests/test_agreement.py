@@ -37,6 +37,7 @@ OPTION_FIELDS = {
     "check_finite": [False, True], "verify": [False, True], "overlap": [False, True],
     "track_consensus": [False, True], "average_buffers": [False, True],
     "optimizer_state": ["keep", "average", "reset"], "fragments": [1, 2],
+    "fragment_layout": ["contiguous", "interleaved"],
     "mixing": [None, 0.5], "keep_anchor": [None, True],
     # not agreed: they change neither the collectives nor the result
     "zero_copy": [False, True], "offload_state": [False, True], "on_round": [None, "count"],
@@ -169,6 +170,7 @@ LISTED = {
     "average_buffers": ("allreduce", {}, {"average_buffers": True}),
     "mixing": ("fp16", {}, {"overlap": True, "mixing": 0.5}),
     "fragments": ("allreduce", {}, {"fragments": 2}),
+    "fragment_layout": ("allreduce", {}, {"fragments": 2, "fragment_layout": "interleaved"}),
     "bucket_cap_mb": ("allreduce", {}, {"bucket_cap_mb": 1.0}),
     "check_finite": ("allreduce", {}, {"check_finite": True}),
 }
@@ -178,6 +180,8 @@ def _rank_listed(rank, world_size):
     out = {}
     for setting, (hook, state, options) in LISTED.items():
         shared = {"period": 2, "overlap": options.get("overlap", False)}
+        if "fragment_layout" in options:  # the same fragments, dealt another way
+            shared["fragments"] = options["fragments"]
         if rank == 1:
             config = {"hook": hook, "state": state, "options": {**shared, **options}}
         else:
@@ -258,3 +262,23 @@ def test_a_restartable_torchrun_without_the_store_setting_is_warned_about(world1
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     assert not registry.warn_on_shared_elastic_store()
+
+
+def test_a_checkpoint_from_before_fragment_layouts_loads_as_contiguous(world1):
+    options = {"period": 4, "fragments": 2}
+    ddp, opt, saved_by = _register({"hook": "int8", "state": {}, "options": options})
+    for step in range(3):
+        train_step(ddp, opt, 0, step)
+    saved = saved_by.state_dict()
+    saved_by.remove()
+    del saved["config"]["fragment_layout"]  # written before the setting existed
+    _, _, handle = _register({"hook": "int8", "state": {},
+                              "options": {**options, "fragment_layout": "interleaved"}})
+    with pytest.raises(dah.errors.SettingsMismatchError, match="'fragment_layout' differs"):
+        handle.load_state_dict(saved)
+    handle.remove()
+    _, _, handle = _register({"hook": "int8", "state": {}, "options": options})
+    handle.load_state_dict(saved)
+    assert handle.step_count == 3
+    handle.remove()
+

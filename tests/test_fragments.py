@@ -89,9 +89,15 @@ def test_bad_fragments_are_value_errors(world1):
                                     period=dah.schedules.StepwisePeriod(4, {10: 8}))
     with pytest.raises(ValueError, match="only 6 parameters"):
         dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=8, fragments=7)
+    with pytest.raises(ValueError, match="fragment_layout must be one of"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=8, fragments=2,
+                                    fragment_layout="strided")
+    with pytest.raises(ValueError, match=r"pass fragments=K \(K > 1\) too"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=8,
+                                    fragment_layout="interleaved")
 
 
-def _rank_fragment_rounds(rank, world_size, hook_name, overlap):
+def _rank_fragment_rounds(rank, world_size, hook_name, overlap, layout):
     """Each round: the due fragment equals the mean of the ranks' values (gathered
     before the round), every other parameter is untouched."""
     model = _model()
@@ -99,9 +105,10 @@ def _rank_fragment_rounds(rank, world_size, hook_name, overlap):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     hook = getattr(dah.hooks, hook_name)
     handle = dah.register_averaging_hook(ddp, hook, None, period=4, fragments=2,
-                                         optimizer=None, overlap=overlap)
+                                         optimizer=None, overlap=overlap,
+                                         fragment_layout=layout)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
-    parts = split_fragments(list(model.parameters()), 2)
+    parts = split_fragments(list(model.parameters()), 2, layout=layout)
     index = {id(p): f for f, part in enumerate(parts) for p in part}
     round_bytes = []
     for step in range(14):
@@ -142,13 +149,15 @@ def _rank_fragment_rounds(rank, world_size, hook_name, overlap):
     return round_bytes, full.stats.last_round_bytes
 
 
-@pytest.mark.parametrize("hook_name,overlap", [("allreduce_hook", False),
-                                               ("fp16_compress_hook", True)])
-def test_fragment_rounds_average_one_fragment_each(hook_name, overlap):
-    results = run_ranks(_rank_fragment_rounds, 2, hook_name=hook_name, overlap=overlap)
+@pytest.mark.parametrize("hook_name,overlap,layout", [
+    ("allreduce_hook", False, "contiguous"), ("fp16_compress_hook", True, "contiguous"),
+    ("allreduce_hook", False, "interleaved"), ("fp16_compress_hook", True, "interleaved")])
+def test_fragment_rounds_average_one_fragment_each(hook_name, overlap, layout):
+    results = run_ranks(_rank_fragment_rounds, 2, hook_name=hook_name, overlap=overlap,
+                        layout=layout)
     round_bytes, full_bytes = results[0]
     # each round sends one fragment's bytes; a period sends every parameter once
-    parts = split_fragments(list(_model().parameters()), 2)
+    parts = split_fragments(list(_model().parameters()), 2, layout=layout)
     sizes = [sum(p.numel() for p in part) for part in parts]
     per_element = full_bytes // sum(sizes)
     assert round_bytes == [sizes[i % 2] * per_element for i in range(7)]

@@ -144,6 +144,8 @@ def _rank_streaming(rank, world_size):
             ("overlap_mixing", h.fp16_compress_hook, {"overlap": True, "mixing": 0.5}),
             ("fragments_overlap", h.int8_compress_hook,
              {"fragments": 2, "overlap": True, "period": 4}),
+            ("interleaved", h.int8_compress_hook,
+             {"fragments": 2, "overlap": True, "period": 4, "fragment_layout": "interleaved"}),
             ("timed", h.allreduce_hook, {"period": dah.schedules.EverySeconds(0.05),
                                          "rounds": 4})):
         out[name] = _train(rank, hook, lambda g: g, synchronize=name != "timed", steps=12,
@@ -162,7 +164,7 @@ def test_fragments_overlap_mixing_time_based_rounds_and_optimizer_state():
     runs = run_ranks(_rank_streaming, 4, timeout_s=300)
     for rank in (0, 1):
         mine, peer = runs[rank], runs[rank + 2]
-        for name in ("fragments", "overlap_mixing", "fragments_overlap", "timed"):
+        for name in ("fragments", "overlap_mixing", "fragments_overlap", "interleaved", "timed"):
             assert mine[name]["rounds"] == peer[name]["rounds"] >= 2, name
             # the replicas agree on what the rounds averaged: the anchors
             for a, b in zip(mine[name]["anchors"], peer[name]["anchors"]):

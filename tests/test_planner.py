@@ -110,3 +110,30 @@ def test_split_fragments_keeps_order_and_balances_elements():
     assert _sizes(split_fragments([torch.zeros(n) for n in (20, 1, 1)], 3)) == [[20], [1], [1]]
     with pytest.raises(ValueError, match="only 7 parameters"):
         split_fragments(params, 8)
+
+
+def test_split_fragments_interleaved_deals_the_largest_first_to_the_least_filled():
+    sizes = [4, 4, 1, 7, 8, 3, 3]
+    params = [torch.zeros(n) for n in sizes]
+    for k in range(1, len(sizes) + 1):
+        parts = split_fragments(params, k, layout="interleaved")
+        assert len(parts) == k and all(parts)
+        assert sorted(id(p) for part in parts for p in part) == sorted(map(id, params))
+        position = {id(p): i for i, p in enumerate(params)}
+        for part in parts:  # each part in the parameters' order
+            assert [position[id(p)] for p in part] == sorted(position[id(p)] for p in part)
+    # by hand, k=2 (elements a / b): 8->a (8/0), 7->b (8/7), 4->b (8/11), 4->a (12/11),
+    # 3->b (12/14), 3->a (15/14), 1->b (15/15)
+    assert _sizes(split_fragments(params, 2, layout="interleaved")) == [[4, 8, 3], [4, 1, 7, 3]]
+    # k=3 (a / b / c): 8->a, 7->b, 4->c, 4->c (8/7/8), 3->b (8/10/8), 3->a (a and c hold 8
+    # elements, a fewer parameters: 11/10/8), 1->c
+    assert _sizes(split_fragments(params, 3, layout="interleaved")) == [[8, 3], [7, 3],
+                                                                         [4, 4, 1]]
+    # empty parameters still leave no part empty: fewer parameters first among equals
+    empty = [torch.zeros(0) for _ in range(3)]
+    assert all(split_fragments(empty, 3, layout="interleaved"))
+    with pytest.raises(ValueError, match="only 7 parameters"):
+        split_fragments(params, 8, layout="interleaved")
+    with pytest.raises(ValueError, match=r"one of \('contiguous', 'interleaved'\), got 'strided'"):
+        split_fragments(params, 2, layout="strided")
+

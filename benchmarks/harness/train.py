@@ -460,9 +460,10 @@ def _fsdp_variant(name: str, spec, model: nn.Module, opt, meter: CommMeter, args
 
 def _stream_options(spec, args, opt=None) -> dict:
     """The registration options a variant takes from the flags and its record:
-    ``fragments`` for the fragment variants, ``mixing`` for the overlapped ones,
-    ``optimizer_state`` (with ``opt``) where the record sets it."""
-    options = {"fragments": args.fragments} if spec.fragments else {}
+    ``fragments`` and ``fragment_layout`` for the fragment variants, ``mixing`` for the
+    overlapped ones, ``optimizer_state`` (with ``opt``) where the record sets it."""
+    options = {"fragments": args.fragments, "fragment_layout": spec.fragment_layout} \
+        if spec.fragments else {}
     if spec.overlap and args.mixing is not None:
         options["mixing"] = args.mixing
     if spec.optimizer_state != "keep":

@@ -38,6 +38,8 @@ class VariantSpec:
       outer Nesterov SGD, ``--outer-lr`` / ``--outer-momentum``), ``None``: no state;
     - ``overlap``: rounds overlapped with training (``--mixing`` applies);
     - ``fragments``: ``--fragments`` fragments take turns;
+    - ``fragment_layout``: with ``fragments``, how the parameters are dealt into them
+      (the registration's ``fragment_layout``);
     - ``optimizer_state``: the registration's ``optimizer_state`` (``"average"``: each
       round also averages the optimizer's moments exactly, over the fp32 wire);
     - ``period_divisor``: rounds every ``max(1, --period // period_divisor)`` steps;
@@ -59,6 +61,7 @@ class VariantSpec:
     powersgd_rank: int | None = None
     overlap: bool = False
     fragments: bool = False
+    fragment_layout: str = "contiguous"
     optimizer_state: str = "keep"
     period_divisor: int = 1
     weighting: str | None = None
@@ -111,6 +114,11 @@ _SPECS = (
                 fragments=True),
     VariantSpec("int4_streaming", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True),
+    # the same two with every fragment taking layers from all over the model
+    VariantSpec("int8_streaming_interleaved", OURS, hook="int8_compress_hook", overlap=True,
+                fragments=True, fragment_layout="interleaved"),
+    VariantSpec("int4_streaming_interleaved", OURS, hook="int4_compress_hook", overlap=True,
+                fragments=True, fragment_layout="interleaved"),
     # the same two with the optimizer's moments averaged at each round (exact, fp32)
     VariantSpec("int4_optstate", OURS, hook="int4_compress_hook", optimizer_state="average"),
     VariantSpec("int4_streaming_optstate", OURS, hook="int4_compress_hook", overlap=True,

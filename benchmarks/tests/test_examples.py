@@ -93,6 +93,19 @@ def test_period_after_switches_the_period_at_a_step(tmp_path):
     assert [s["step"] for s in r["steps"] if s["averaged"]] == [0, 2, 4, 6, 8, *range(10, 40, 4)]
 
 
+def test_interleaved_fragments_train_one_fragment_a_round(tmp_path):
+    r = _run("int4_streaming_interleaved", tmp_path, ["--fragments", "2"])
+    first, last = _first_last(r["steps"])
+    assert last < first - 0.5, (first, last)
+    # period 4 in 2 fragments: a round launched every 2 steps, each sending the 4-bit
+    # codes of about half the model (the last may still be in flight at the end)
+    assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(0, 40, 2))
+    assert r["summary"]["handle_stats"]["rounds"] >= 19
+    fp32 = r["summary"]["param_bytes"]
+    sent = [s["bytes"] / fp32 for s in r["steps"] if s["bytes"]]
+    assert 0.05 < min(sent) <= max(sent) < 0.085, sent  # 4 bits of 1/2 the model: 0.067
+
+
 @pytest.mark.parametrize("hook", ["int4_streaming", "fp16_timed", "torch_localsgd", "fsdp_int8"])
 def test_period_after_is_refused_where_it_would_not_apply(hook, capsys):
     with pytest.raises(SystemExit) as exc:

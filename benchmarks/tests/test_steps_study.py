@@ -99,3 +99,22 @@ def test_the_validation_study_validates_every_configuration_on_eight_times_the_b
     default = train.parse_args([]).eval_batches
     assert all(a.eval_batches == 8 * default for a in parsed.values())
     assert (parsed["allreduce"].hook, parsed["allreduce"].period) == ("allreduce", 8)
+
+
+def test_the_fragment_study_runs_each_overlapped_hook_in_both_layouts():
+    import bench_fragment_steps
+    from harness import train, variants
+
+    parsed = {n: train.parse_args(["--lr", "0.001", *flags])
+              for n, flags in bench_fragment_steps.CONFIGS.items()}
+    layouts = {}
+    for name, args in parsed.items():
+        if name == "ddp":
+            continue
+        assert (args.period, args.fragments) == (8, 4)
+        options = train._stream_options(variants.VARIANTS[args.hook], args)
+        assert options["fragments"] == 4
+        layouts.setdefault(options["fragment_layout"], []).append(args.hook)
+    assert sorted(layouts["contiguous"]) == ["int4_streaming"] * 2 + ["int8_streaming"]
+    assert sorted(layouts["interleaved"]) == ["int4_streaming_interleaved"] * 2 + [
+        "int8_streaming_interleaved"]
