@@ -123,6 +123,10 @@ bench: ext
 	    --variants ddp,none,int4_streaming --train-args "--lr-warmup 60" \
 	    --out benchmarks/results/ideas_warmup60_seed$$seed \
 	    --title "Fewer steps to the target: a 60-step learning-rate warm-up for every method, 100 Mbit/s, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming,int4_streaming_interleaved \
+	    --out benchmarks/results/ideas_interleaved_seed$$seed \
+	    --title "Fewer steps to the target: fragments of layers from all over the model, 100 Mbit/s, seed $$seed"; \
 	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
