@@ -11,7 +11,7 @@ with it.
 
 Outputs ``benchmarks/results/fragment_steps.json`` and the section "Fewer steps to the
 target: fragments of layers from all over the model" of ``benchmarks/RESULTS.md``.
-About 5 minutes a seed on 2 cores.
+About 2.5 minutes a seed on 2 cores.
 
     python benchmarks/bench_fragment_steps.py --seeds 0,1,2,3,4
 """
