@@ -34,6 +34,8 @@ next to this file), listed here in its order:
 - ``fp16_streaming``, ``int8_streaming``, ``int4_streaming``: ``--fragments`` fragments
   taking turns, overlapped with training (Streaming DiLoCo's schedule without the outer
   optimizer); ``int8_streaming_half_period``: the same at half of ``--period``;
+  ``int8_streaming_interleaved``, ``int4_streaming_interleaved``: with
+  ``fragment_layout="interleaved"`` (every fragment takes layers from all over the model);
 - ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with
   ``optimizer_state="average"`` (AdamW's moments averaged exactly at each round);
 - ``diloco``, ``diloco_fp16``: ``hooks.outer_optimizer(allreduce_hook)`` (resp.
