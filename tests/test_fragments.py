@@ -163,7 +163,7 @@ def test_fragment_rounds_average_one_fragment_each(hook_name, overlap, layout):
     assert round_bytes == [sizes[i % 2] * per_element for i in range(7)]
 
 
-def _rank_outer_resume(rank, world_size, tmp, stop):
+def _rank_outer_resume(rank, world_size, tmp, stop, layout):
     """DiLoCo with fragments (each fragment its own outer step), checkpointed at step
     ``stop`` and resumed in a fresh registration: identical to never stopping."""
     def run(until, resume_from=None):
@@ -173,7 +173,7 @@ def _rank_outer_resume(rank, world_size, tmp, stop):
         state = dah.hooks.OuterOptimizerState()
         hook = dah.hooks.outer_optimizer(dah.hooks.allreduce_hook)
         handle = dah.register_averaging_hook(ddp, hook, state, period=4, fragments=2,
-                                             optimizer=inner)
+                                             optimizer=inner, fragment_layout=layout)
         ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
         start = 0
         if resume_from is not None:
@@ -196,8 +196,10 @@ def _rank_outer_resume(rank, world_size, tmp, stop):
     return [torch.equal(a, b) for a, b in zip(params_of(model), uninterrupted)], handle.stats.rounds
 
 
-def test_outer_optimizer_fragments_resume_exactly(tmp_path):
-    for ok, rounds in run_ranks(_rank_outer_resume, 2, tmp=str(tmp_path), stop=6):
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
+def test_outer_optimizer_fragments_resume_exactly(tmp_path, layout):
+    for ok, rounds in run_ranks(_rank_outer_resume, 2, tmp=str(tmp_path), stop=6,
+                                layout=layout):
         assert all(ok) and rounds == 6
 
 

@@ -26,6 +26,8 @@ HOOKS = {
                             h.OuterOptimizerState(None, torch.optim.Adam, lr=1e-2), {}),
     "fp16_overlap": lambda: (h.fp16_compress_hook, None, {"overlap": True}),
     "fp16_fragments": lambda: (h.fp16_compress_hook, None, {"fragments": 2}),
+    "int8_interleaved_fragments": lambda: (h.int8_compress_hook, None, {
+        "fragments": 2, "fragment_layout": "interleaved"}),
 }
 
 
