@@ -127,6 +127,10 @@ bench: ext
 	    --variants ddp,none,int4_streaming,int4_streaming_interleaved \
 	    --out benchmarks/results/ideas_interleaved_seed$$seed \
 	    --title "Fewer steps to the target: fragments of layers from all over the model, 100 Mbit/s, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 25mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming,int4_streaming_interleaved \
+	    --out benchmarks/results/ideas_interleaved_25mbit_seed$$seed \
+	    --title "Fewer steps to the target: fragments of layers from all over the model, 25 Mbit/s, seed $$seed"; \
 	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
