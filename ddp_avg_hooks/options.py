@@ -27,7 +27,7 @@ import torch
 
 from ._checks import check_bool, check_int
 from ._groups import is_group
-from .planner import FRAGMENT_LAYOUTS
+from .planner import check_fragment_layout
 from .schedules import ConstantPeriod, EverySeconds, PeriodSchedule, as_schedule
 
 __all__ = ["AveragingOptions", "OPTIMIZER_STATE_POLICIES", "markdown_table"]
@@ -176,9 +176,7 @@ class AveragingOptions:
                 "training cannot go on during it: drop overlap=True (or zero_copy=True)"
             )
         check_int("fragments", self.fragments, 1)
-        if self.fragment_layout not in FRAGMENT_LAYOUTS:
-            raise ValueError(f"fragment_layout must be one of {FRAGMENT_LAYOUTS}, "
-                             f"got {self.fragment_layout!r}")
+        check_fragment_layout(self.fragment_layout, "fragment_layout")
         if self.fragment_layout != "contiguous" and self.fragments == 1:
             raise ValueError(f"fragment_layout={self.fragment_layout!r} sets how fragments=K "
                              "cut the model: pass fragments=K (K > 1) too")

@@ -38,6 +38,13 @@ from .schedules import EverySeconds, PeriodSchedule
 FRAGMENT_LAYOUTS = ("contiguous", "interleaved")
 
 
+def check_fragment_layout(layout, name: str = "layout") -> str:
+    """``layout`` if it is one of ``FRAGMENT_LAYOUTS``, else ``ValueError`` naming ``name``."""
+    if layout not in FRAGMENT_LAYOUTS:
+        raise ValueError(f"{name} must be one of {FRAGMENT_LAYOUTS}, got {layout!r}")
+    return layout
+
+
 def split_fragments(params: list[torch.Tensor], fragments: int, *,
                     allow_empty: bool = False,
                     layout: str = "contiguous") -> list[list[torch.Tensor]]:
@@ -64,8 +71,7 @@ def split_fragments(params: list[torch.Tensor], fragments: int, *,
         >>> [[p.numel() for p in f] for f in split_fragments(ps, 2, layout="interleaved")]
         [[4, 8], [4, 1, 7]]
     """
-    if layout not in FRAGMENT_LAYOUTS:
-        raise ValueError(f"fragment layout must be one of {FRAGMENT_LAYOUTS}, got {layout!r}")
+    check_fragment_layout(layout)
     if fragments > len(params) and allow_empty:
         return [[p] for p in params] + [[] for _ in range(fragments - len(params))]
     if fragments > len(params):

@@ -98,9 +98,10 @@ def test_interleaved_fragments_train_one_fragment_a_round(tmp_path):
     first, last = _first_last(r["steps"])
     assert last < first - 0.5, (first, last)
     # period 4 in 2 fragments: a round launched every 2 steps, each sending the 4-bit
-    # codes of about half the model (the last may still be in flight at the end)
+    # codes of about half the model (the last round of each fragment may still be in
+    # flight at the end: at most one per fragment)
     assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(0, 40, 2))
-    assert r["summary"]["handle_stats"]["rounds"] >= 19
+    assert 20 - 2 <= r["summary"]["handle_stats"]["rounds"] <= 20
     fp32 = r["summary"]["param_bytes"]
     sent = [s["bytes"] / fp32 for s in r["steps"] if s["bytes"]]
     assert 0.05 < min(sent) <= max(sent) < 0.085, sent  # 4 bits of 1/2 the model: 0.067
