@@ -73,7 +73,7 @@ bench: ext
 	    --variants ddp,allreduce,fp16,allreduce_overlap,fp16_overlap --out benchmarks/results/jitter_loop_only_seed$$seed \
 	    --title "Uneven workers, jitter: the training loop alone (one validation, at the end), period 8, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
-	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,fp16_streaming,torchft_diloco,diloco_int4 \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,int4_streaming_interleaved,fp16_streaming,torchft_diloco,diloco_int4 \
 	    --out benchmarks/results/slow_link_best_seed$$seed \
 	    --title "Slow link, best configurations against the peers: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --nproc 4 --repeats 3 --seed $$seed \
@@ -86,7 +86,7 @@ bench: ext
 	    --out benchmarks/results/slow_link_seed$$seed \
 	    --title "Slow link, the peers side by side: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 25mbit --repeats 3 --seed $$seed \
-	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,torchft_diloco,diloco_int4 \
+	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,int4_streaming_interleaved,torchft_diloco,diloco_int4 \
 	    --out benchmarks/results/slow_link_25mbit_seed$$seed \
 	    --title "Slow link at 25 Mbit/s, best configurations against the peers: ~1M-parameter model, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
