@@ -460,12 +460,15 @@ def _breakdown(rows: list[dict], reps: list[dict], prof: str, none: str = "none"
         out.append(dict(variant=v, mean_step_ms=statistics.median(
             runs[v]["summary"]["mean_step_s"] for runs in reps if v in runs) * 1e3,
             fwd_bwd_ms=med.get("fwd_bwd_s"), grad_wait_ms=med.get("grad_wait_s"),
-            opt_ms=med.get("opt_s"), avg_ms=med.get("avg_s"), other_cpu_ms=med.get("other_cpu_s")))
+            opt_ms=med.get("opt_s"), avg_ms=med.get("avg_s"),
+            round_wait_ms=med.get("round_wait_s"), other_cpu_ms=med.get("other_cpu_s")))
     if not out:
         return []
-    return [f"Where a step's time goes ({prof}; mean per step, median over the repeats; other "
-            "threads' CPU = CPU time of the process's other threads during the step: gloo's and "
-            "the rounds' background work, on the same shared cores):", "",
+    return [f"Where a step's time goes ({prof}; mean per step, median over the repeats; waiting "
+            "for rounds = the part of our averaging call spent waiting for rounds' results, the "
+            "rest of it is the training thread's own work on the rounds; other threads' CPU = "
+            "CPU time of the process's other threads during the step: gloo's and the rounds' "
+            "background work, on the same shared cores):", "",
             report.markdown_table(out, report.BREAKDOWN_COLUMNS), ""]
 
 

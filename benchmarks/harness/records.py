@@ -64,6 +64,7 @@ def handle_stats(handle, node_handle=None) -> dict | None:
         return None
     s = handle.stats
     stats = dict(rounds=s.rounds, bytes_sent=s.bytes_sent, seconds=round(s.seconds, 4),
+                 wait_seconds=round(s.wait_seconds, 4),
                  memory_bytes=sum(n for kind in handle.memory_bytes().values()
                                   for n in kind.values()))
     if node_handle is not None:  # bytes inside a node vs bytes of the global rounds
@@ -113,7 +114,7 @@ def summarize(steps: list[dict], evals: list[dict], *, rank: int, world: int, me
     )
 
 
-BREAKDOWN = ("fwd_bwd_s", "grad_wait_s", "opt_s", "avg_s", "other_cpu_s")
+BREAKDOWN = ("fwd_bwd_s", "grad_wait_s", "opt_s", "avg_s", "round_wait_s", "other_cpu_s")
 
 
 def breakdown(steps: list[dict]) -> dict:

@@ -305,6 +305,7 @@ BREAKDOWN_COLUMNS = [("variant", "variant", "s"), ("step ms", "mean_step_ms", ".
                      ("forward+backward ms", "fwd_bwd_ms", ".1f"),
                      ("of which gradient-sync wait ms", "grad_wait_ms", ".1f"),
                      ("optimizer ms", "opt_ms", ".1f"), ("averaging call ms", "avg_ms", ".1f"),
+                     ("of which waiting for rounds ms", "round_wait_ms", ".2f"),
                      ("other threads' CPU ms", "other_cpu_ms", ".1f")]
 
 #: memory per rank: the parameters it holds, what the averaging registration holds over

@@ -732,8 +732,10 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
 
     The parts (seconds): ``fwd_bwd_s`` (forward and backward, DDP's gradient sync
     included), ``opt_s`` (the optimizer and LR scheduler), ``avg_s`` (the averaging call),
-    and ``other_cpu_s``, the CPU time the process's other threads used meanwhile (gloo's
-    and the rounds' background work, on the same shared cores).
+    ``round_wait_s`` (the part of ``avg_s`` that waited for rounds' results,
+    ``AveragingStats.wait_seconds``; only for variants of ours, which have a handle), and
+    ``other_cpu_s``, the CPU time the process's other threads used meanwhile (gloo's and
+    the rounds' background work, on the same shared cores).
     """
     cpu0, own0 = time.process_time(), time.thread_time()
     x, y = batch
@@ -746,12 +748,16 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     sched.step()
     t_opt = time.perf_counter()
     slow.after_compute(t_opt - t0 - grad_wait)  # uneven workers: a sleep
+    handles = [h for h in (variant.handle, variant.node_handle) if h is not None]
+    waited = sum(h.stats.wait_seconds for h in handles)
     ta = time.perf_counter()
     averaged = bool(variant.after_step())
     avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
     other_cpu = (time.process_time() - cpu0) - (time.thread_time() - own0)
     parts = dict(fwd_bwd_s=round(t_bwd - t0, 6), opt_s=round(t_opt - t_bwd, 6),
                  avg_s=round(avg_s, 6), other_cpu_s=round(max(other_cpu, 0.0), 6))
+    if handles:
+        parts["round_wait_s"] = round(sum(h.stats.wait_seconds for h in handles) - waited, 6)
     return loss, grad_wait, averaged, avg_s, parts
 
 

@@ -105,6 +105,18 @@ def test_interleaved_fragments_train_one_fragment_a_round(tmp_path):
     fp32 = r["summary"]["param_bytes"]
     sent = [s["bytes"] / fp32 for s in r["steps"] if s["bytes"]]
     assert 0.05 < min(sent) <= max(sent) < 0.085, sent  # 4 bits of 1/2 the model: 0.067
+    _check_round_waits(r)
+
+
+def _check_round_waits(r: dict) -> None:
+    """The waits for rounds each step records are part of its averaging call, and add up
+    to what the handle counted (less the rounds synchronized after the loop)."""
+    steps = r["steps"]
+    assert all(0.0 <= s["round_wait_s"] <= s["avg_s"] + 1e-6 for s in steps)
+    total = r["summary"]["handle_stats"]["wait_seconds"]
+    assert sum(s["round_wait_s"] for s in steps) <= total + 1e-3
+    breakdown = r["summary"]["breakdown"]
+    assert 0.0 <= breakdown["round_wait_s"] <= breakdown["avg_s"]
 
 
 @pytest.mark.parametrize("hook", ["int4_streaming", "fp16_timed", "torch_localsgd", "fsdp_int8"])
@@ -125,6 +137,10 @@ def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, 
     # the outer step is local: a round sends only the inner hook's buffer
     assert stats["bytes_sent"] == stats["rounds"] * bytes_per_param * r["config"]["n_params"]
     assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(0, 40, 4))
+    # blocking rounds: every averaging step waits for its round, the other steps for none
+    _check_round_waits(r)
+    assert all(s["round_wait_s"] > 0 for s in r["steps"] if s["averaged"])
+    assert all(s["round_wait_s"] == 0 for s in r["steps"] if not s["averaged"])
 
 
 def test_hierarchical_counts_node_and_global_rounds_separately(tmp_path):
