@@ -132,6 +132,10 @@ bench: ext
 	    --out benchmarks/results/ideas_interleaved_25mbit_seed$$seed \
 	    --title "Fewer steps to the target: fragments of layers from all over the model, 25 Mbit/s, seed $$seed"; \
 	done
+	$(PY) benchmarks/bench_train.py --profiles loopback --repeats 3 --seed 0 \
+	  --variants ddp,none,torch_localsgd,fp16_streaming,int8_streaming,int4_streaming,int4_streaming_interleaved \
+	  --out benchmarks/results/round_wait_loopback \
+	  --title "Where the averaging call's time goes: waiting for rounds and the training thread's own work, loopback, seed 0"
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 	$(PY) benchmarks/bench_optimizer_state_steps.py --seeds 0,1,2,3,4
