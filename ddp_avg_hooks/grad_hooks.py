@@ -4,6 +4,8 @@ They read the :class:`~ddp_avg_hooks.AveragingHandle`'s step counter, so the war
 of gradient averaging and the averaging schedule can never drift apart.
 """
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -17,7 +19,10 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
 
     While ``state.in_warmup`` this is DDP's usual gradient averaging over the DDP
     model's process group; after it, gradients stay local and the parameters are
-    averaged by the handle's rounds instead.
+    averaged by the handle's rounds instead. From the first backward after the warm-up
+    on, DDP skips its gradient reducer altogether, as inside ``ddp.no_sync()``, where
+    the reducer has nothing else to do (see :class:`ReducerSwitch`): each backward is
+    then the bare module's, with the same gradients.
 
     Args:
         state: the :class:`~ddp_avg_hooks.AveragingHandle` returned by
@@ -49,9 +54,94 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
         ) from None
     if in_warmup:
         return default_hooks.allreduce_hook(state.grad_process_group, bucket)
+    switch = getattr(state, "reducer_switch", None)
+    if switch is not None:
+        switch.skip_reducer()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+class ReducerSwitch:
+    """Turns DDP's gradient reducer off once :func:`local_sgd_grad_hook` keeps gradients
+    local, and on again when they must be averaged.
+
+    After the warm-up the hook hands every bucket back unchanged, so the reducer's work
+    at each backward (copying gradients into its buckets and back) changes nothing. From
+    the next forward on, the DDP model then runs as inside ``ddp.no_sync()``
+    (``require_backward_grad_sync = False``). The reducer stays on where it has more to
+    do than call the hook: with ``find_unused_parameters=True`` (it zero-fills the
+    gradients of unused parameters), ``static_graph=True``, DDP's own mixed precision,
+    or ``broadcast_buffers=True`` on a module with buffers (DDP broadcasts them at every
+    synchronized forward).
+
+    An :class:`~ddp_avg_hooks.AveragingHandle` of a DDP model holds one as
+    ``handle.reducer_switch``: it turns the reducer back on when the handle is back in
+    its warm-up (``load_state_dict`` of an earlier step) and when it is removed.
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+        ...                                      period=4, warmup_steps=1)
+        >>> ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+        >>> for _ in range(2):
+        ...     ddp(torch.randn(2, 4)).sum().backward(); _ = handle.step()
+        >>> handle.reducer_switch.skipping, ddp.require_backward_grad_sync
+        (True, False)
+        >>> handle.remove(); ddp.require_backward_grad_sync  # the reducer is back on
+        True
+        >>> dist.destroy_process_group()
+    """
+
+    def __init__(self, ddp) -> None:
+        # weak: DDP's reducer holds the hook's state (the handle, which holds this), and
+        # a strong reference back would keep the model alive for good
+        self._ddp = weakref.ref(ddp)
+        self.skipping = False
+        self.active = True
+
+    @property
+    def ddp(self):
+        """The DDP model (``None`` once it is freed)."""
+        return self._ddp()
+
+    def reducer_needed(self) -> str | None:
+        """Why the reducer must keep running at every backward (``None``: it need not)."""
+        ddp = self.ddp
+        if ddp is None:
+            return "the DDP model is gone"
+        if getattr(ddp, "find_unused_parameters", False):
+            return "find_unused_parameters=True"
+        if getattr(ddp, "static_graph", False):
+            return "static_graph=True"
+        if getattr(ddp, "mixed_precision", None) is not None:
+            return "mixed_precision"
+        if getattr(ddp, "broadcast_buffers", False) and any(True for _ in ddp.module.buffers()):
+            return "broadcast_buffers=True on a module with buffers"
+        return None
+
+    def skip_reducer(self) -> None:
+        """Turn the reducer off from the next forward on, unless it is still needed
+        (:meth:`reducer_needed`) or the switch was released."""
+        if self.active and not self.skipping and self.reducer_needed() is None:
+            self.ddp.require_backward_grad_sync = False
+            self.skipping = True
+
+    def follow(self, in_warmup: bool) -> None:
+        """Turn the reducer back on if gradients must be averaged again (``in_warmup``)."""
+        if in_warmup and self.skipping:
+            ddp = self.ddp
+            if ddp is not None:
+                ddp.require_backward_grad_sync = True
+            self.skipping = False
+
+    def release(self) -> None:
+        """Turn the reducer back on for good (the handle is removed)."""
+        self.follow(True)
+        self.active = False
 
 
 class FSDPGradHooks:

@@ -16,6 +16,7 @@ from . import memory
 from ._groups import is_member
 from .bucket import ParamBucket
 from .errors import SettingsMismatchError
+from .grad_hooks import ReducerSwitch
 from .models import AveragedModel
 from .options import AveragingOptions
 from .planner import RoundPlanner
@@ -125,6 +126,9 @@ class AveragingHandle:
         self._model = model
         #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
         self.grad_process_group = (model and model.grad_process_group) or dist.group.WORLD
+        #: turns DDP's gradient reducer off after the warm-up (``None`` for FSDP2)
+        ddp = model.ddp() if model is not None and model.ddp is not None else None
+        self.reducer_switch = ReducerSwitch(ddp) if ddp is not None else None
         self._optimizer_hook = None
         self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
@@ -416,6 +420,8 @@ class AveragingHandle:
         self._rounds_started = self.stats.rounds  # a checkpoint holds no round in flight
         self._plan.load_state_dict(state_dict["plan"])
         self._engine.weights.load_state_dict(state_dict["weight_totals"])
+        if self.reducer_switch is not None:  # back in the warm-up: gradients averaged again
+            self.reducer_switch.follow(self.in_warmup)
 
     # --- lifecycle --------------------------------------------------------------------
     def _check_alive(self, what: str) -> None:
@@ -448,6 +454,8 @@ class AveragingHandle:
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
+        if self.reducer_switch is not None:
+            self.reducer_switch.release()
         try:
             self.synchronize()
         finally:

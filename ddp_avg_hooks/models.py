@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -93,6 +94,8 @@ class AveragedModel:
             whose ranks step together (``None`` for DDP).
         sharded_params: with FSDP2, every trainable ``(name, parameter)``, empty local
             shards included.
+        ddp: a weak reference to the DistributedDataParallel wrapper (``None`` for
+            FSDP2): DDP's reducer holds the comm hook's state, often the handle.
     """
 
     module: torch.nn.Module
@@ -105,6 +108,7 @@ class AveragedModel:
     ignored: frozenset = frozenset()
     replica_group: object = None
     sharded_params: list = dataclasses.field(default_factory=list)
+    ddp: object = None
 
     def shards(self) -> list[tuple]:
         """Per trainable parameter of an FSDP2 model, where its local shard sits:
@@ -178,7 +182,7 @@ def averaged_model(model) -> AveragedModel:
             params=[p for _, p in named],
             grad_process_group=getattr(model, "process_group", None),
             broadcast_buffers=bool(getattr(model, "broadcast_buffers", False)),
-            ignored=ignored)
+            ignored=ignored, ddp=weakref.ref(model))
     if is_fsdp2(model):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:

@@ -35,6 +35,19 @@ class GradSync:
     def in_warmup(self) -> bool:
         return self.handle is None or self.handle.in_warmup
 
+    @property
+    def reducer_switch(self):
+        """The current handle's :class:`~ddp_avg_hooks.grad_hooks.ReducerSwitch` (``None``
+        without a handle)."""
+        return None if self.handle is None else getattr(self.handle, "reducer_switch", None)
+
+    def point_at(self, handle) -> None:
+        """Follow ``handle`` from now on (``None``: average every step); the reducer the
+        previous handle turned off runs again, since the next one may be in its warm-up."""
+        if self.reducer_switch is not None and handle is not self.handle:
+            self.reducer_switch.release()
+        self.handle = handle
+
     @classmethod
     def attach(cls, ddp: DistributedDataParallel, handle) -> "GradSync":
         """Point ``ddp``'s gradient hook at ``handle``, registering the hook the first time."""
@@ -43,7 +56,7 @@ class GradSync:
             sync = cls(ddp)
             ddp.register_comm_hook(sync, grad_hooks.local_sgd_grad_hook)
             ddp._dah_grad_sync = sync
-        sync.handle = handle
+        sync.point_at(handle)
         return sync
 
 
@@ -51,7 +64,7 @@ def detach(ddp: DistributedDataParallel | None) -> None:
     """Gradients of ``ddp`` are averaged every step again (no-op if nothing was attached)."""
     sync = getattr(ddp, "_dah_grad_sync", None)
     if sync is not None:
-        sync.handle = None
+        sync.point_at(None)
 
 
 def to_cpu(obj):
