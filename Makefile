@@ -136,6 +136,12 @@ bench: ext
 	  --variants ddp,none,torch_localsgd,fp16_streaming,int8_streaming,int4_streaming,int4_streaming_interleaved \
 	  --out benchmarks/results/round_wait_loopback \
 	  --title "Where the averaging call's time goes: waiting for rounds and the training thread's own work, loopback, seed 0"
+	for seed in 0 1; do \
+	  $(PY) benchmarks/bench_train.py --profiles loopback --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming,int4_streaming_reducer_on \
+	    --out benchmarks/results/reducer_switch_loopback_seed$$seed \
+	    --title "The local step with DDP's gradient reducer off after the warm-up, and kept on, loopback, seed $$seed" || exit 1; \
+	done
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 	$(PY) benchmarks/bench_optimizer_state_steps.py --seeds 0,1,2,3,4

@@ -139,7 +139,9 @@ class ReducerSwitch:
             self.skipping = False
 
     def release(self) -> None:
-        """Turn the reducer back on for good (the handle is removed)."""
+        """Turn the reducer back on for good: the hook no longer turns it off
+        (:meth:`AveragingHandle.remove <ddp_avg_hooks.AveragingHandle.remove>` calls it;
+        call it after registering to keep DDP's reducer running)."""
         self.follow(True)
         self.active = False
 

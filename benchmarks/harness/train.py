@@ -36,6 +36,8 @@ next to this file), listed here in its order:
   optimizer); ``int8_streaming_half_period``: the same at half of ``--period``;
   ``int8_streaming_interleaved``, ``int4_streaming_interleaved``: with
   ``fragment_layout="interleaved"`` (every fragment takes layers from all over the model);
+- ``int4_streaming_reducer_on``: ``int4_streaming`` with DDP's gradient reducer left
+  running after the warm-up (``handle.reducer_switch.release()``);
 - ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with
   ``optimizer_state="average"`` (AdamW's moments averaged exactly at each round);
 - ``diloco``, ``diloco_fp16``: ``hooks.outer_optimizer(allreduce_hook)`` (resp.
@@ -551,6 +553,8 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
                                          **options)
     handle.detach_optimizer()  # the loop steps the handle itself (and times it)
     ddp.register_comm_hook(handle, meter.timed(dah.grad_hooks.local_sgd_grad_hook))
+    if spec.keep_reducer:
+        handle.reducer_switch.release()
     if node_handle is None:
         return Variant(name, ddp, model, handle.step, handle)
 
@@ -735,7 +739,8 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     ``round_wait_s`` (the part of ``avg_s`` that waited for rounds' results,
     ``AveragingStats.wait_seconds``; only for variants of ours, which have a handle), and
     ``other_cpu_s``, the CPU time the process's other threads used meanwhile (gloo's and
-    the rounds' background work, on the same shared cores).
+    the rounds' background work, on the same shared cores); and ``grad_hook_calls``, the
+    buckets DDP's reducer handed to the comm hook in the backward (0 where it is off).
     """
     cpu0, own0 = time.process_time(), time.thread_time()
     x, y = batch
@@ -743,6 +748,7 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     loss = F.cross_entropy(variant.model(x).flatten(0, 1), y.flatten())
     loss.backward()
     t_bwd = time.perf_counter()
+    hook_calls = len(meter.calls)
     grad_wait = meter.take_grad_wait()
     opt.step()
     sched.step()
@@ -755,7 +761,8 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
     other_cpu = (time.process_time() - cpu0) - (time.thread_time() - own0)
     parts = dict(fwd_bwd_s=round(t_bwd - t0, 6), opt_s=round(t_opt - t_bwd, 6),
-                 avg_s=round(avg_s, 6), other_cpu_s=round(max(other_cpu, 0.0), 6))
+                 avg_s=round(avg_s, 6), other_cpu_s=round(max(other_cpu, 0.0), 6),
+                 grad_hook_calls=hook_calls)
     if handles:
         parts["round_wait_s"] = round(sum(h.stats.wait_seconds for h in handles) - waited, 6)
     return loss, grad_wait, averaged, avg_s, parts

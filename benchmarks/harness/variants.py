@@ -42,6 +42,9 @@ class VariantSpec:
       (the registration's ``fragment_layout``);
     - ``optimizer_state``: the registration's ``optimizer_state`` (``"average"``: each
       round also averages the optimizer's moments exactly, over the fp32 wire);
+    - ``keep_reducer``: DDP's gradient reducer keeps running after the warm-up
+      (``handle.reducer_switch.release()``), copying gradients into its buckets and back
+      at every backward;
     - ``period_divisor``: rounds every ``max(1, --period // period_divisor)`` steps;
     - ``weighting``: ``TIMED``: the ``EverySeconds`` weighting (``"steps"``, ``"equal"``);
     - ``library``, ``needs``: ``PEER``: ``"torchft"`` or ``"accelerate"``, and the modules
@@ -63,6 +66,7 @@ class VariantSpec:
     fragments: bool = False
     fragment_layout: str = "contiguous"
     optimizer_state: str = "keep"
+    keep_reducer: bool = False
     period_divisor: int = 1
     weighting: str | None = None
     library: str | None = None
@@ -119,6 +123,9 @@ _SPECS = (
                 fragments=True, fragment_layout="interleaved"),
     VariantSpec("int4_streaming_interleaved", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True, fragment_layout="interleaved"),
+    # DDP's reducer left running after the warm-up (what the hook cost before it was skipped)
+    VariantSpec("int4_streaming_reducer_on", OURS, hook="int4_compress_hook", overlap=True,
+                fragments=True, keep_reducer=True),
     # the same two with the optimizer's moments averaged at each round (exact, fp32)
     VariantSpec("int4_optstate", OURS, hook="int4_compress_hook", optimizer_state="average"),
     VariantSpec("int4_streaming_optstate", OURS, hook="int4_compress_hook", overlap=True,

@@ -108,6 +108,20 @@ def test_interleaved_fragments_train_one_fragment_a_round(tmp_path):
     _check_round_waits(r)
 
 
+def test_the_reducer_is_off_after_the_warmup_unless_kept(tmp_path):
+    # the hook sees DDP's buckets through the warm-up and the first backward after it;
+    # from then on DDP skips its reducer, unless the variant keeps it running
+    calls = {}
+    for hook in ("int4_streaming", "int4_streaming_reducer_on"):
+        r = _run(hook, tmp_path, ["--warmup", "4"])
+        first, last = _first_last(r["steps"])
+        assert last < first - 0.5, (hook, first, last)
+        calls[hook] = [s["grad_hook_calls"] for s in r["steps"]]
+    assert all(n > 0 for n in calls["int4_streaming"][:5]), calls
+    assert calls["int4_streaming"][5:] == [0] * 35, calls
+    assert all(n > 0 for n in calls["int4_streaming_reducer_on"]), calls
+
+
 def _check_round_waits(r: dict) -> None:
     """The waits for rounds each step records are part of its averaging call, and add up
     to what the handle counted (less the rounds synchronized after the loop)."""
