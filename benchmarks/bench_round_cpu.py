@@ -7,8 +7,9 @@ drifting on the shared cores reaches all of them alike; the first block is a war
 Variants: ``none`` (the bare module), ``ddp`` (DDP with ``local_sgd_grad_hook``, no
 rounds; the hook turns DDP's reducer off after the first backward, see
 ``grad_hooks.ReducerSwitch``), ``ddp_no_sync`` (DDP in ``no_sync()`` mode from the start:
-its reducer skipped, no bucket copies) and ``fp16`` / ``int8`` / ``int4`` (their hook with ``overlap=True``,
-``fragments=4``, ``period=8``: a fragment's round launched every 2 steps). Per step,
+its reducer skipped, no bucket copies) and ``fp16`` / ``int8`` / ``int4`` (their hook
+with ``overlap=True``, ``fragments=4``, ``period=8``: a fragment's round launched every
+2 steps). Per step,
 means over rank 0's timed steps: the step's wall time and its ratio to ``none``'s, the
 averaging call's wall time and the training thread's CPU time inside it, and the CPU
 time of the process's other threads (gloo's, a registration's background thread).

@@ -4,6 +4,7 @@ They read the :class:`~ddp_avg_hooks.AveragingHandle`'s step counter, so the war
 of gradient averaging and the averaging schedule can never drift apart.
 """
 
+import inspect
 import weakref
 
 import torch
@@ -19,10 +20,11 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
 
     While ``state.in_warmup`` this is DDP's usual gradient averaging over the DDP
     model's process group; after it, gradients stay local and the parameters are
-    averaged by the handle's rounds instead. From the first backward after the warm-up
-    on, DDP skips its gradient reducer altogether, as inside ``ddp.no_sync()``, where
-    the reducer has nothing else to do (see :class:`ReducerSwitch`): each backward is
-    then the bare module's, with the same gradients.
+    averaged by the handle's rounds instead. Registered as the comm hook itself, from
+    the first backward after the warm-up on it has DDP skip its gradient reducer
+    altogether, as inside ``ddp.no_sync()``, where the reducer has nothing else to do
+    (see :class:`ReducerSwitch`): each backward is then the bare module's, with the same
+    gradients.
 
     Args:
         state: the :class:`~ddp_avg_hooks.AveragingHandle` returned by
@@ -73,7 +75,10 @@ class ReducerSwitch:
     do than call the hook: with ``find_unused_parameters=True`` (it zero-fills the
     gradients of unused parameters), ``static_graph=True``, DDP's own mixed precision,
     or ``broadcast_buffers=True`` on a module with buffers (DDP broadcasts them at every
-    synchronized forward).
+    synchronized forward). It also stays on unless the comm hook registered on the model
+    is ``local_sgd_grad_hook`` itself, or a wrapper of it made with ``functools.wraps``
+    (which declares that it hands the buckets through): a hook of your own that calls
+    it, to change or log the gradients, is called at every backward, as DDP does.
 
     An :class:`~ddp_avg_hooks.AveragingHandle` of a DDP model holds one as
     ``handle.reducer_switch``: it turns the reducer back on when the handle is back in
@@ -121,6 +126,10 @@ class ReducerSwitch:
             return "mixed_precision"
         if getattr(ddp, "broadcast_buffers", False) and any(True for _ in ddp.module.buffers()):
             return "broadcast_buffers=True on a module with buffers"
+        hooks = getattr(ddp, "_comm_hooks", None)  # what DDP.register_comm_hook recorded
+        if not hooks or any(inspect.unwrap(hook) is not local_sgd_grad_hook for hook, _ in hooks):
+            return ("the registered comm hook is not local_sgd_grad_hook itself (or a "
+                    "functools.wraps wrapper of it): DDP calls it at every backward")
         return None
 
     def skip_reducer(self) -> None:

@@ -259,6 +259,7 @@ class CommMeter:
 
     def timed(self, hook):
         """Wrap a DDP comm hook so that each bucket's hand-off and completion are timed."""
+        @functools.wraps(hook)  # hands the buckets through: see grad_hooks.ReducerSwitch
         def timed_hook(state, bucket):
             self.calls.append(time.perf_counter())
             fut = hook(state, bucket)
