@@ -133,11 +133,16 @@ class ReducerSwitch:
         return None
 
     def skip_reducer(self) -> None:
-        """Turn the reducer off from the next forward on, unless it is still needed
-        (:meth:`reducer_needed`) or the switch was released."""
-        if self.active and not self.skipping and self.reducer_needed() is None:
-            self.ddp.require_backward_grad_sync = False
-            self.skipping = True
+        """Turn the reducer off from the next forward on, unless the switch was released
+        or the reducer is needed (:meth:`reducer_needed`, asked once: the model's settings
+        do not change, so a needed reducer releases the switch for good)."""
+        if not self.active or self.skipping:
+            return
+        if self.reducer_needed() is not None:
+            self.active = False
+            return
+        self.ddp.require_backward_grad_sync = False
+        self.skipping = True
 
     def follow(self, in_warmup: bool) -> None:
         """Turn the reducer back on if gradients must be averaged again (``in_warmup``)."""

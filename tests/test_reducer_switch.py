@@ -132,7 +132,8 @@ def _rank_kept_on(rank, world_size, case):
         train_step(ddp, opt, rank, step)
         handle.step()
     return {"on": ddp.require_backward_grad_sync, "calls": len(calls),
-            "why": handle.reducer_switch.reducer_needed()}
+            "why": handle.reducer_switch.reducer_needed(),
+            "released": not handle.reducer_switch.active}
 
 
 def test_the_reducer_stays_on_where_it_has_other_work():
@@ -142,6 +143,7 @@ def test_the_reducer_stays_on_where_it_has_other_work():
         for res in run_ranks(_rank_kept_on, 2, case=case):
             assert res["on"] is True and res["why"].startswith(why), res
             assert res["calls"] >= 5  # the hook ran at every backward
+            assert res["released"]  # asked once, then the switch gave up for good
 
 
 def _rank_integration(rank, world_size):
