@@ -36,6 +36,7 @@ next to this file), listed here in its order:
   optimizer); ``int8_streaming_half_period``: the same at half of ``--period``;
   ``int8_streaming_interleaved``, ``int4_streaming_interleaved``: with
   ``fragment_layout="interleaved"`` (every fragment takes layers from all over the model);
+  ``int4_streaming_interleaved_half_period``: the latter at half of ``--period``;
 - ``int4_streaming_reducer_on``: ``int4_streaming`` with DDP's gradient reducer left
   running after the warm-up (``handle.reducer_switch.release()``);
 - ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with

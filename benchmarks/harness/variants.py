@@ -133,6 +133,8 @@ _SPECS = (
     # a fragment round at every step with --fragments 4: shorter rounds of fewer bytes
     VariantSpec("int8_streaming_half_period", OURS, hook="int8_compress_hook", overlap=True,
                 fragments=True, period_divisor=2),
+    VariantSpec("int4_streaming_interleaved_half_period", OURS, hook="int4_compress_hook",
+                overlap=True, fragments=True, fragment_layout="interleaved", period_divisor=2),
     # DiLoCo: its rounds block, as in the paper (and torchft), fragments or not
     VariantSpec("diloco", OURS, hook="outer_optimizer", inner_hook="allreduce_hook",
                 state="outer"),
