@@ -22,8 +22,10 @@ from ddp_avg_hooks.integrations.accelerate import LocalSGD  # noqa: E402
 K, STEPS = 4, 22
 
 
-def train(accelerator, make_local_sgd, steps=STEPS, shared=0):
-    """``steps`` SGD steps; the first ``shared`` batches are the same on every rank."""
+def train(accelerator, make_local_sgd, steps=STEPS, shared=0, flags=None):
+    """``steps`` SGD steps; the first ``shared`` batches are the same on every rank.
+    ``flags``: a list that gets DDP's ``require_backward_grad_sync`` after each step and,
+    last, after the ``with`` block."""
     model = ex.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt = accelerator.prepare(model, opt)
@@ -37,6 +39,10 @@ def train(accelerator, make_local_sgd, steps=STEPS, shared=0):
             opt.step()
             opt.zero_grad()
             local_sgd.step()
+            if flags is not None:
+                flags.append(model.require_backward_grad_sync)
+    if flags is not None:
+        flags.append(model.require_backward_grad_sync)
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone(), model
 
 
@@ -50,11 +56,17 @@ def main():
     # which changes nothing while both ranks see the same batches (the first K-1).
     theirs, _ = train(accelerator, lambda m: accelerate.local_sgd.LocalSGD(accelerator, m, K),
                       shared=K - 1)
+    flags = []
     ours, model = train(accelerator, lambda m: LocalSGD(accelerator, m, K, warmup_steps=K - 1),
-                        shared=K - 1)
+                        shared=K - 1, flags=flags)
     report("parity_accelerate_local_sgd", torch.equal(theirs, ours),
            f"max |diff| {(theirs - ours).abs().max().item():.1e}")
     report("replicas_agree_on_exit", ex.spread(model) == 0.0, "")
+    # DDP's reducer runs through the warm-up, is off from the first local backward on, and
+    # runs again after the block
+    report("reducer_off_after_warmup",
+           flags == [True] * (K - 1) + [False] * (STEPS - K + 1) + [True],
+           f"require_backward_grad_sync after each step, then after the block: {flags}")
 
     # the same model in two blocks: the comm hook DDP takes once serves both
     model = accelerator.prepare(ex.make_model())

@@ -24,10 +24,11 @@ class Spread(TrainerCallback):
     """The replicas' largest difference after each optimizer step (added after ours)."""
 
     def __init__(self, trainer):
-        self.trainer, self.by_step = trainer, {}
+        self.trainer, self.by_step, self.sync_flags = trainer, {}, {}
 
     def on_step_end(self, args, state, control, **kwargs):
         self.by_step[state.global_step] = ex.spread(self.trainer.model)
+        self.sync_flags[state.global_step] = self.trainer.model_wrapped.require_backward_grad_sync
 
 
 def main():
@@ -47,6 +48,12 @@ def main():
     report("gradients_local_after_warmup", apart == [6, 7, 8, 10, 11, 12],
            f"replicas apart after steps {apart}")
     report("removed_at_train_end", local_sgd.handle is None and local_sgd.stats.rounds == 4, "")
+    # DDP's reducer runs through the warm-up (optimizer steps 1-4), is off from the first
+    # local backward on, and runs again once training ends
+    flags = [spread.sync_flags[s] for s in range(1, 14)]
+    report("reducer_off_after_warmup",
+           flags == [True] * 4 + [False] * 9 and trainer.model_wrapped.require_backward_grad_sync,
+           f"require_backward_grad_sync after each optimizer step {flags}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import os
 import sys
 
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
@@ -43,9 +43,20 @@ def lightnings_own(strategy_cls):
     return ex.fit(strategy=strategy, max_steps=STEPS)[1]
 
 
-def ours(hook=dah.hooks.allreduce_hook, **kw):
+def ours(hook=dah.hooks.allreduce_hook, others=(), **kw):
     cb = AveragingCallback(hook, period=N, warmup_steps=W, average_at_end=False, **kw)
-    return ex.fit([cb], max_steps=STEPS)[1], cb
+    return ex.fit([cb, *others], max_steps=STEPS)[1], cb
+
+
+class SyncFlags(Callback):
+    """DDP's ``require_backward_grad_sync`` after each training batch, and the DDP model."""
+
+    def __init__(self):
+        self.flags, self.ddp = [], None
+
+    def on_train_batch_end(self, trainer, *args):
+        self.ddp = trainer.strategy.model
+        self.flags.append(self.ddp.require_backward_grad_sync)
 
 
 def vec(model):
@@ -65,9 +76,15 @@ def main():
 
     # 1. Lightning's post-local SGD (comm hook registered as on CUDA) vs the callback
     ref = vec(lightnings_own(CommHookOnCPU))
-    mine, cb = ours()
+    sync = SyncFlags()
+    mine, cb = ours(others=[sync])
     compare("parity_post_local_sgd", ref, vec(mine))
     report("replicas_apart_after_local_step", ex.spread(mine) > 0, f"rounds {cb.stats.rounds}")
+    # DDP's reducer runs through the warm-up, is off from the first local backward on, and
+    # runs again once fit ends
+    report("reducer_off_after_warmup",
+           sync.flags == [True] * W + [False] * (STEPS - W) and sync.ddp.require_backward_grad_sync,
+           f"require_backward_grad_sync after each batch {sync.flags}")
 
     # 2. Lightning as it runs on CPU (gradients averaged every step) vs grad_sync_after_warmup
     shipped = vec(lightnings_own(DDPStrategy))

@@ -61,6 +61,7 @@ def test_lightning(tmp_path):
                     # bit-identical to DDPStrategy's post-local SGD
                     "parity_post_local_sgd",
                     "replicas_apart_after_local_step",
+                    "reducer_off_after_warmup",
                     "parity_lightning_cpu_grad_sync",  # and to DDPStrategy as it runs on CPU
                     "cpu_differs_from_local_sgd",
                     "fp16_hook_replicas_agree",
@@ -78,7 +79,8 @@ def test_accelerate():
                 r"accelerate: 64 micro-batches, 32 optimizer steps, 4 rounds \+ 1 on leaving",
                 "accelerate: replicas agree",
                 ["parity_accelerate_local_sgd", "replicas_agree_on_exit",
-                 "block_0_rounds_and_agree", "block_1_rounds_and_agree", "disabled_is_noop"])
+                 "reducer_off_after_warmup", "block_0_rounds_and_agree",
+                 "block_1_rounds_and_agree", "disabled_is_noop"])
 
 
 @pytest.mark.slow
@@ -87,4 +89,4 @@ def test_hf_trainer():
                 r"hf trainer: DistributedDataParallel over 2 processes, 21 steps, 6 rounds",
                 "hf trainer: replicas agree",
                 ["rounds_at_optimizer_steps", "gradients_local_after_warmup",
-                 "removed_at_train_end"])
+                 "removed_at_train_end", "reducer_off_after_warmup"])
