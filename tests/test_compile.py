@@ -10,7 +10,10 @@ import ddp_avg_hooks as dah
 from _helpers import flat, make_model
 
 
-def _train(mode: str, hook, steps: int = 6) -> torch.Tensor:
+def _train(mode: str, hook, steps: int = 6, sync_flags: list | None = None) -> torch.Tensor:
+    """``sync_flags``: with a list, gradients are averaged by ``local_sgd_grad_hook`` for
+    a 2-step warm-up, and the list gets DDP's ``require_backward_grad_sync`` after each
+    step."""
     model = make_model()
     if mode == "compile_then_ddp":
         ddp = runner = DDP(torch.compile(model, backend="aot_eager"))
@@ -20,7 +23,11 @@ def _train(mode: str, hook, steps: int = 6) -> torch.Tensor:
         runner = torch.compile(ddp, backend="aot_eager") if mode == "ddp_then_compile" else ddp
         registered = runner  # a compiled DDP is unwrapped by the registry
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    handle = dah.register_averaging_hook(registered, hook, None, period=2, optimizer=opt)
+    warmup = 0 if sync_flags is None else 2
+    handle = dah.register_averaging_hook(registered, hook, None, period=2, optimizer=opt,
+                                         warmup_steps=warmup)
+    if sync_flags is not None:
+        ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         x = torch.randn(4, 5, generator=g)
@@ -30,7 +37,9 @@ def _train(mode: str, hook, steps: int = 6) -> torch.Tensor:
             opt.zero_grad()
             runner(x).pow(2).sum().backward()
             opt.step()
-    assert handle.stats.rounds == 3
+        if sync_flags is not None:
+            sync_flags.append(ddp.require_backward_grad_sync)
+    assert handle.stats.rounds == (3 if sync_flags is None else 2)
     handle.remove()
     return flat(model)
 
@@ -42,6 +51,17 @@ def test_compiled_models_average_like_eager_without_recompiles(world1, mode, hoo
     expected = _train("eager", hook)
     got = _train(mode, hook)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["ddp_then_compile", "compile_then_ddp"])
+def test_compiled_models_skip_the_reducer_after_the_warmup_without_recompiles(world1, mode):
+    torch._dynamo.reset()
+    eager_flags, flags = [], []
+    expected = _train("eager", dah.hooks.allreduce_hook, sync_flags=eager_flags)
+    got = _train(mode, dah.hooks.allreduce_hook, sync_flags=flags)
+    assert torch.equal(got, expected)
+    # the reducer runs in the 2 warm-up steps and is off from the first local backward on
+    assert flags == eager_flags == [True, True, False, False, False, False]
 
 
 def test_compiled_non_ddp_model_is_a_clear_error(world1):
