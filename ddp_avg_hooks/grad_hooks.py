@@ -82,7 +82,9 @@ class ReducerSwitch:
 
     An :class:`~ddp_avg_hooks.AveragingHandle` of a DDP model holds one as
     ``handle.reducer_switch``: it turns the reducer back on when the handle is back in
-    its warm-up (``load_state_dict`` of an earlier step) and when it is removed.
+    its warm-up (``load_state_dict`` of an earlier step) and when it is removed. Remove
+    it outside ``ddp.no_sync()``: on leaving, ``no_sync`` restores the value it found on
+    entry, which with the reducer off is ``False``.
 
     Example:
         >>> import torch, torch.distributed as dist

@@ -447,8 +447,9 @@ class AveragingHandle:
             self._optimizer_hook = None
 
     def remove(self) -> None:
-        """Stop averaging: finish a round in flight, detach from the optimizer, free the
-        buckets. Idempotent."""
+        """Stop averaging: finish a round in flight, detach from the optimizer, turn DDP's
+        gradient reducer back on (call it outside ``ddp.no_sync()``, which on leaving
+        restores the value it found), free the buckets. Idempotent."""
         if self._removed:
             return
         if self._optimizer_hook is not None:
