@@ -108,6 +108,16 @@ def test_interleaved_fragments_train_one_fragment_a_round(tmp_path):
     _check_round_waits(r)
 
 
+def test_half_period_variant_launches_at_half_the_period(tmp_path):
+    r = _run("int4_streaming_interleaved_half_period", tmp_path, ["--fragments", "2"])
+    # --period 4 halved: period 2 in 2 fragments, a round of about half the model launched
+    # at every step
+    assert [s["step"] for s in r["steps"] if s["averaged"]] == list(range(40))
+    fp32 = r["summary"]["param_bytes"]
+    sent = [s["bytes"] / fp32 for s in r["steps"] if s["bytes"]]
+    assert 0.05 < min(sent) <= max(sent) < 0.085, sent
+
+
 def test_the_reducer_is_off_after_the_warmup_unless_kept(tmp_path):
     # the hook sees DDP's buckets through the warm-up and the first backward after it;
     # from then on DDP skips its reducer, unless the variant keeps it running
