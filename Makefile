@@ -131,6 +131,16 @@ bench: ext
 	    --variants ddp,none,int4_streaming,int4_streaming_interleaved \
 	    --out benchmarks/results/ideas_interleaved_25mbit_seed$$seed \
 	    --title "Fewer steps to the target: fragments of layers from all over the model, 25 Mbit/s, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming_interleaved,int4_streaming_interleaved_half_period \
+	    --out benchmarks/results/ideas_period4_interleaved_seed$$seed \
+	    --title "Fewer steps to the target: period 4 with fragments of layers from all over the model, 100 Mbit/s, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming_interleaved,int4_streaming_interleaved_half_period \
+	    --variant-args "int4_streaming_interleaved=--lr 7e-4" \
+	    --variant-args "int4_streaming_interleaved_half_period=--lr 7e-4" \
+	    --out benchmarks/results/ideas_interleaved_lr_seed$$seed \
+	    --title "Fewer steps to the target: fragments of layers from all over the model, the replicas at lr 7e-4 (DDP at 1e-3), period 8 and 4, 100 Mbit/s, seed $$seed"; \
 	done
 	$(PY) benchmarks/bench_train.py --profiles loopback --repeats 3 --seed 0 \
 	  --variants ddp,none,torch_localsgd,fp16_streaming,int8_streaming,int4_streaming,int4_streaming_interleaved \
