@@ -40,7 +40,8 @@ demo: ext
 	PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(PY) -m harness.demo
 
 # An sdist and a wheel in dist/, checked by twine; package-check installs the wheel into a
-# fresh venv outside the repository (with $(TORCH_SPEC)) and runs the README's example there.
+# fresh venv outside the repository (with $(TORCH_SPEC)) and runs the README's example there,
+# then examples/local_sgd.py and examples/fsdp2.py (resumed from its round checkpoints).
 package: install
 	rm -rf dist
 	$(PY) -m build --outdir dist .
@@ -50,7 +51,7 @@ package-check: package
 	$(PY) tools/package_check.py dist/ddp_avg_hooks-*.whl --torch "$(TORCH_SPEC)" \
 	  $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 
-# The end-to-end benchmarks (about five hours on 2 cores; needs root for
+# The end-to-end benchmarks (about five and a half hours on 2 cores; needs root for
 # the network namespaces, else loopback only). `make bench-sweep`: DiLoCo's tuning sweep.
 bench: ext
 	$(PY) benchmarks/bench_train.py

@@ -12,7 +12,11 @@ and the wheel. Then, from that folder:
    for a machine without a C++ compiler);
 3. the README's training example runs under
    ``python -m torch.distributed.run --standalone --nproc-per-node 2`` and both ranks
-   print their ``AveragingStats``.
+   print their ``AveragingStats``;
+4. two of the repository's examples, copied next to it, train against the installed
+   package: ``examples/local_sgd.py`` (DDP, 2 ranks) and ``examples/fsdp2.py`` (2 replica
+   groups of 2 FSDP2 shards, 4 ranks), the latter started again on its round checkpoints,
+   which it must resume; each must end with its replicas agreed.
 
 ``make package-check`` runs it on the wheel ``make package`` built.
 """
@@ -29,6 +33,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# (script, ranks, arguments, what its output must hold); run in this order
+EXAMPLES = [
+    ("local_sgd.py", 2, [], ["replicas agreed after every round"]),
+    ("fsdp2.py", 4, ["--steps", "30", "--dir", "fsdp2_run"],
+     ["round 3:", "replicas agreed after every round"]),
+    ("fsdp2.py", 4, ["--steps", "40", "--dir", "fsdp2_run"],
+     ["resumed round 3 at step 27", "round 4:", "replicas agreed after every round"]),
+]
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -90,6 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         stats = re.findall(r"AveragingStats\(rounds=\d+[^\n]*", out)  # ranks may interleave
         _check(len(stats) == 2, f"expected the stats of 2 ranks, got:\n{out}")
         print(*stats, sep="\n")
+
+        shutil.copytree(ROOT / "examples", tmp / "examples",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for script, nproc, args, expect in EXAMPLES:
+            cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(nproc), str(tmp / "examples" / script), *args]
+            out = _run(cmd, cwd=tmp, env=env, timeout=600).stdout
+            run = " ".join([f"examples/{script}", *args])
+            for text in expect:
+                _check(text in out, f"{run}: no {text!r} in:\n{out}")
+            print(f"{run}: {expect[-1]}")
         print(f"package check passed: {wheel.name}")
     finally:
         if a.keep:
