@@ -51,7 +51,7 @@ package-check: package
 	$(PY) tools/package_check.py dist/ddp_avg_hooks-*.whl --torch "$(TORCH_SPEC)" \
 	  $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 
-# The end-to-end benchmarks (about five and a half hours on 2 cores; needs root for
+# The end-to-end benchmarks (about six hours on 2 cores; needs root for
 # the network namespaces, else loopback only). `make bench-sweep`: DiLoCo's tuning sweep.
 bench: ext
 	$(PY) benchmarks/bench_train.py
