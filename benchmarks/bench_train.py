@@ -135,16 +135,19 @@ def main(argv=None) -> int:
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
     p.add_argument("--quick", action="store_true", help="tiny model, 48 steps: pipeline check only")
     p.add_argument("--replot", action="store_true",
-                   help="rebuild plot, summary and RESULTS.md from the JSON in --out; no training")
+                   help="rebuild plot, summary and RESULTS.md from the JSON in --out, with the "
+                   "flags of the run that wrote it; no training")
     a = p.parse_args(argv)
+    if a.replot:  # every flag but --out and --results-md from the run's own command
+        with open(os.path.join(a.out, "train_summary.json")) as f:
+            old = json.load(f)
+        a = p.parse_args([*shlex.split(old["command"])[2:], "--out", a.out,
+                          "--results-md", a.results_md, "--replot"])
     if a.quick:
         a.preset, a.steps, a.eval_every = "tiny", 48, 8
     t_start = time.time()
     load_start = os.getloadavg()
     if a.replot:
-        with open(os.path.join(a.out, "train_summary.json")) as f:
-            old = json.load(f)
-        a.title = p.parse_args(shlex.split(old["command"])[2:]).title  # the run's own title
         all_runs, network_of = _load_runs(a.out, _profile_names(a))
         a.steps = next(runs[a.baseline]["config"]["steps"] for reps in all_runs.values()
                        for runs in reps if a.baseline in runs)
@@ -464,12 +467,17 @@ def _breakdown(rows: list[dict], reps: list[dict], prof: str, none: str = "none"
             round_wait_ms=med.get("round_wait_s"), other_cpu_ms=med.get("other_cpu_s")))
     if not out:
         return []
-    return [f"Where a step's time goes ({prof}; mean per step, median over the repeats; waiting "
-            "for rounds = the part of our averaging call spent waiting for rounds' results, the "
-            "rest of it is the training thread's own work on the rounds; other threads' CPU = "
-            "CPU time of the process's other threads during the step: gloo's and the rounds' "
-            "background work, on the same shared cores):", "",
-            report.markdown_table(out, report.BREAKDOWN_COLUMNS), ""]
+    columns, waiting = report.BREAKDOWN_COLUMNS, ""
+    if any(r["round_wait_ms"] is not None for r in out):
+        waiting = ("waiting for rounds = the part of our averaging call spent waiting for "
+                   "rounds' results, the rest of it is the training thread's own work on the "
+                   "rounds; ")
+    else:  # recorded before the averaging call was split
+        columns = [c for c in columns if c[1] != "round_wait_ms"]
+    return [f"Where a step's time goes ({prof}; mean per step, median over the repeats; "
+            f"{waiting}other threads' CPU = CPU time of the process's other threads during the "
+            "step: gloo's and the rounds' background work, on the same shared cores):", "",
+            report.markdown_table(out, columns), ""]
 
 
 def _memory(rows: list[dict]) -> list[str]:
@@ -493,6 +501,21 @@ def _met(values, ok) -> tuple[int, int]:
     return sum(ok(v) for v in present), len(present)
 
 
+def _shown(x: float, ok, percent: bool = False) -> str:
+    """``x`` to 2 decimals (a percentage: to 1), or to one more where rounding would put it
+    on the other side of ``ok``.
+
+    >>> _shown(1.0534, lambda v: v <= 1.05), _shown(1.0449, lambda v: v <= 1.05)
+    ('1.053', '1.04')
+    >>> _shown(0.02049, lambda v: v <= 0.02, percent=True)
+    '2.05%'
+    """
+    digits = 1 if percent else 2
+    if ok(round(x, digits + 2 * percent)) != ok(x):
+        digits += 1
+    return f"{x:.{digits}%}" if percent else f"{x:.{digits}f}"
+
+
 def _judged(row: dict, what: str, key: str, ok, goal: str, n: int) -> str:
     """``row[key]`` (a median over ``n`` repeats) judged by ``ok``: met or not, in how many
     repeats, and whether the spread straddles the goal."""
@@ -502,7 +525,8 @@ def _judged(row: dict, what: str, key: str, ok, goal: str, n: int) -> str:
     k, m = _met(values, ok)
     lo, hi = row.get(f"{key}_range") or (v, v)
     straddle = " (the spread straddles it)" if ok(lo) != ok(hi) else ""
-    return (f"- {what}: median {v:.2f}, {lo:.2f}-{hi:.2f} over {n} repeats ({goal}: "
+    return (f"- {what}: median {_shown(v, ok)}, {_shown(lo, ok)}-{_shown(hi, ok)} over {n} "
+            f"repeats ({goal}: "
             f"{'met' if ok(v) else 'not met'}, met in {k} of {m}{straddle}).")
 
 
@@ -561,16 +585,17 @@ def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) ->
     for r in rows:
         spec = VARIANT_SPECS.get(r["variant"])
         if spec is not None and spec.ours and spec.overlap and r.get("comm_share") is not None:
-            k, m = _met(r.get("comm_share_values") or [], lambda x: x <= 0.02)
+            within = (lambda x: x <= 0.02)
+            k, m = _met(r.get("comm_share_values") or [], within)
             out.append(f"- comm wait of `{r['variant']}` (overlapped): median "
-                       f"{r['comm_share']:.1%} (target <= 2%: "
-                       f"{'met' if r['comm_share'] <= 0.02 else 'not met'}, met in {k} of {m}).")
+                       f"{_shown(r['comm_share'], within, percent=True)} (target <= 2%: "
+                       f"{'met' if within(r['comm_share']) else 'not met'}, met in {k} of {m}).")
     local = [r for r in rows if _ours(r["variant"]) and r.get("local_overhead")]
     if local:
         worst = max(local, key=lambda r: r["local_overhead"])
-        out.append(f"- local step over `none`'s: at most {worst['local_overhead']:.2f} (median, "
-                   f"`{worst['variant']}`; target <= 1.05x: "
-                   f"{'met' if worst['local_overhead'] <= 1.05 else 'not met'}).")
+        x, ok = worst["local_overhead"], (lambda v: v <= 1.05)
+        out.append(f"- local step over `none`'s: at most {_shown(x, ok)} (median, "
+                   f"`{worst['variant']}`; target <= 1.05x: {'met' if ok(x) else 'not met'}).")
     return out + [""]
 
 

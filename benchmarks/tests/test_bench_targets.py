@@ -76,3 +76,13 @@ def test_hierarchical_line_compares_with_flat_averaging(bench_train):
     assert line.startswith("- Hierarchical (p): loss at DDP's budget 2.100 vs 2.200 for flat")
     assert "time to target 28.0 s vs 30.0 s" in line
     assert "280.0 MB vs 300.0 MB, plus 1100.0 MB of node rounds" in line
+
+
+def test_a_target_line_shows_a_third_decimal_where_rounding_would_hide_the_verdict(bench_train):
+    within = (lambda x: x <= 1.05)
+    row = {"r": 1.0534, "r_values": [1.0534, 1.02, 1.07], "r_range": (1.02, 1.07)}
+    assert bench_train._judged(row, "ratio", "r", within, "target <= 1.05x", 3) == (
+        "- ratio: median 1.053, 1.02-1.07 over 3 repeats (target <= 1.05x: not met, "
+        "met in 1 of 3 (the spread straddles it)).")
+    row = {"r": 1.0449, "r_values": [1.0449], "r_range": (1.0449, 1.0449)}
+    assert "median 1.04, 1.04-1.04" in bench_train._judged(row, "ratio", "r", within, "", 1)

@@ -2,6 +2,8 @@
 before any training starts."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -28,3 +30,19 @@ def test_a_malformed_or_unknown_variant_is_refused_before_training(bench_train, 
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_replot_rebuilds_a_run_with_its_own_flags(bench_train, tmp_path):
+    """A committed run made with a baseline and a no-communication variant of its own
+    (``--baseline hsdp_native --none fsdp_none``), rebuilt from ``--out`` alone: the same
+    section."""
+    import shutil
+
+    run = os.path.join(os.path.dirname(bench_train.__file__), "results", "fsdp_replicas_seed0")
+    out, md = tmp_path / "run", tmp_path / "RESULTS.md"
+    shutil.copytree(run, out)
+    md.write_text("# Results\n")
+    assert bench_train.main(["--replot", "--out", str(out), "--results-md", str(md)]) == 0
+    with open(os.path.join(run, "train_section.md")) as f:
+        assert (out / "train_section.md").read_text() == f.read()
+    assert "x sooner than native HSDP" in md.read_text()
