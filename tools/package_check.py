@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         (tmp / "train.py").write_text(example)
         out = _run([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                     "2", "train.py"], cwd=tmp, env=env, timeout=600).stdout
-        stats = re.findall(r"AveragingStats\(rounds=\d+[^\n]*", out)  # ranks may interleave
+        stats = re.findall(r"AveragingStats\(rounds=\d+[^)]*\)", out)  # ranks may share a line
         _check(len(stats) == 2, f"expected the stats of 2 ranks, got:\n{out}")
         print(*stats, sep="\n")
 
