@@ -139,7 +139,11 @@ def main(argv=None) -> int:
                    "flags of the run that wrote it; no training")
     a = p.parse_args(argv)
     if a.replot:  # every flag but --out and --results-md from the run's own command
-        with open(os.path.join(a.out, "train_summary.json")) as f:
+        summary = os.path.join(a.out, "train_summary.json")
+        if not os.path.exists(summary):
+            p.error(f"--replot: no {summary}; pass as --out the folder of a finished run "
+                    "(one of benchmarks/results/*)")
+        with open(summary) as f:
             old = json.load(f)
         a = p.parse_args([*shlex.split(old["command"])[2:], "--out", a.out,
                           "--results-md", a.results_md, "--replot"])

@@ -46,3 +46,10 @@ def test_replot_rebuilds_a_run_with_its_own_flags(bench_train, tmp_path):
     with open(os.path.join(run, "train_section.md")) as f:
         assert (out / "train_section.md").read_text() == f.read()
     assert "x sooner than native HSDP" in md.read_text()
+
+
+def test_replot_of_a_folder_without_a_run_says_what_to_pass(bench_train, capsys, tmp_path):
+    with pytest.raises(SystemExit) as err:
+        bench_train.main(["--replot", "--out", str(tmp_path)])
+    assert err.value.code == 2
+    assert "--replot: no " in capsys.readouterr().err
