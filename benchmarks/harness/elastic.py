@@ -165,11 +165,27 @@ def run_scenario(run_dir: str, kills: list[Kill] = (), *, pair: NetnsPair | None
 
 
 def _markers(run: Path) -> dict[int, list[int]]:
-    """rank -> the rounds whose completion marker it has written, as of now."""
+    """rank -> the rounds whose completion marker it has written, as of now.
+
+    The job prunes old rounds while this reads, so a round folder may vanish between
+    listing ``ckpt`` and listing the folder (``Path.glob`` raises then); it is skipped.
+    """
     out: dict[int, list[int]] = {}
-    for m in sorted((run / "ckpt").glob("round-*/rank*.done")):
-        out.setdefault(int(m.stem[4:]), []).append(int(m.parent.name[6:]))
+    for folder in sorted(_listing(run / "ckpt")):
+        if not folder.startswith("round-"):
+            continue
+        for name in sorted(_listing(run / "ckpt" / folder)):
+            if name.startswith("rank") and name.endswith(".done"):
+                out.setdefault(int(name[4:-5]), []).append(int(folder[6:]))
     return out
+
+
+def _listing(folder: Path) -> list[str]:
+    """The names in ``folder``; none if it does not exist (any more)."""
+    try:
+        return os.listdir(folder)
+    except FileNotFoundError:
+        return []
 
 
 def _wait_for_peers_markers(run: Path, kill: Kill, deadline: float) -> None:
