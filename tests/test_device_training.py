@@ -5,8 +5,8 @@ CUDA tensors, NCCL would refuse two ranks on one GPU), with the README's setup:
 SGD with momentum, a warm-up of synchronised gradients, then rounds every ``period``
 steps. Each run is checked against an independent reference, plain local SGD replayed
 in this process on the CPU (two replicas, gradients averaged during the warm-up, the
-parameters averaged at every round), and every blocking round must leave the replicas
-bit-identical. On a CUDA device each run is also compared with the same run on the CPU,
+parameters averaged at every round), and every blocking round of the whole model must
+leave the replicas bit-identical. On a CUDA device each run is also compared with the same run on the CPU,
 and the settings documented as bit-identical (``offload_state``, ``zero_copy``) are
 compared with the plain run bit for bit. Without a CUDA device the CUDA cases skip.
 """
@@ -155,12 +155,13 @@ def _reference(steps: int = STEPS, world_size: int = 2) -> list[torch.Tensor]:
 
 
 # How far each hook's replicas may end from plain local SGD after 10 rounds, about 3x
-# what the CPU run gives (exact hooks 0; fp16 4e-5, bf16 4e-4, int8 1e-4, int4 2e-3;
-# PowerSGD of rank 2 0.05; int8 in 2 fragments 7e-3, overlapped rounds 0.01-0.014).
+# the most the CPU runs gave (exact hooks 0; fp16 4e-5, bf16 4e-4, int8 1e-4, int4 2e-3;
+# PowerSGD of rank 2 0.05; int8 in 2 fragments 7e-3; the overlapped rounds 0.006-0.031,
+# moving with the steps at which their rounds land, the most with a busy core).
 TOLERANCE = {"allreduce": 1e-5, "allreduce_zero_copy": 1e-5, "fp16": 2e-4, "fp16_offload": 2e-4,
              "bf16": 2e-3, "int8": 5e-4, "int4": 1e-2, "powersgd": 0.2, "diloco_fp16": 2e-4,
-             "diloco_fp16_offload": 2e-4, "int8_fragments": 0.03, "int4_streaming": 0.05,
-             "allreduce_overlap_optstate": 0.05}
+             "diloco_fp16_offload": 2e-4, "int8_fragments": 0.03, "int4_streaming": 0.1,
+             "allreduce_overlap_optstate": 0.1}
 ROUNDS = len([s for s in range(STEPS) if s >= WARMUP and (s - WARMUP) % PERIOD == 0])
 
 
