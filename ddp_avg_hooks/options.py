@@ -77,7 +77,9 @@ class AveragingOptions:
         "bucket across ranks (one small all-gather)"), agreed=True)
     overlap: bool = _option(False, (
         "bool: launch a round and keep training; apply it later as `params + (averaged - "
-        "params_at_launch)`. Keep a round's duration well under the period: the correction "
+        "params_at_launch)`, at the first step that finds it complete, so the step it lands "
+        "at, and the run's results, depend on timing (a `RoundCheckpointer` save finishes "
+        "it at its launch). Keep a round's duration well under the period: the correction "
         "is stale by the steps taken meanwhile, and a round a whole period late can cost "
         "more loss than it saves. Buffers and optimizer state averaged by the round take "
         "the same rule (a copy of them is kept for it); one that held no negative value "
