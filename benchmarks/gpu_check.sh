@@ -6,8 +6,9 @@
 # Needs a CUDA build of torch (the Makefile's default venv has the CPU wheel; install one
 # with e.g. `make TORCH_SPEC='torch==2.13.0+cu128' install`) and a CUDA toolkit whose
 # major version matches torch.version.cuda (CUDA_HOME, else /usr/local/cuda).
-# Steps, each printed with a "==" line; every step runs, and the script ends with the
-# list of the steps that failed (exit 1 if any did):
+# Steps, each printed with a "==" line; every step runs (one that outlasts its time
+# limit is stopped and counts as failed), and the script ends with the list of the
+# steps that failed (exit 1 if any did):
 #   1. environment (GPU, torch, nvcc)
 #   2. `nvcc -c csrc/kernels_cuda.cu` alone
 #   3. JIT build of the extension with CUDA, for this GPU's compute capability only
@@ -54,11 +55,10 @@ echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST CUDA_HOME=${CUDA_HOME:-unset}"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-step "2. nvcc -c csrc/kernels_cuda.cu (CUDA headers only)" \
+step "2. nvcc -c csrc/kernels_cuda.cu (CUDA headers only)" timeout 300 \
   nvcc -std=c++17 -c csrc/kernels_cuda.cu -o "$tmp/kernels_cuda.o"
 
-build() {
-  DDP_AVG_HOOKS_VERBOSE_BUILD=${DDP_AVG_HOOKS_VERBOSE_BUILD:-0} "$PY" - <<'EOF'
+cat > "$tmp/build.py" <<'EOF'
 import time, warnings
 warnings.simplefilter("error")  # a failed build must fail this step, not fall back
 from ddp_avg_hooks import _ext, ops
@@ -67,19 +67,19 @@ m = _ext.load_extension()
 assert m is not None and m.with_cuda(), "extension loaded without CUDA kernels"
 print(f"backend: {ops.backend()} | module: {m.__file__} | {time.perf_counter() - t:.0f} s")
 EOF
-}
-step "3. extension build with CUDA" build
+step "3. extension build with CUDA" timeout 900 env PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+  DDP_AVG_HOOKS_VERBOSE_BUILD="${DDP_AVG_HOOKS_VERBOSE_BUILD:-0}" "$PY" "$tmp/build.py"
 
 step "4. CUDA tests: ops, write-back, training runs of the hooks (and their CPU cases)" \
-  "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_CHECK_WORKERS:-4}" -rsP \
+  timeout 900 "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_CHECK_WORKERS:-4}" -rsP \
   tests/test_ops.py tests/test_feedback_ops.py tests/test_bucket.py tests/test_device_training.py \
   -k "cuda or compile or test_device_training"
 
 step "5. benchmark on the GPU (GB/s vs copy_ of the same number of fp32 elements)" \
-  "$PY" benchmarks/bench_ops.py --device cuda --min-run-time 0.5
+  timeout 600 "$PY" benchmarks/bench_ops.py --device cuda --min-run-time 0.5
 
 step "6. device memory of each hook on the GPU (offload_state=True: <= 0.1x the model is the target; a round needs about 2 buckets, 50 MiB, of the 1 GiB model)" \
-  "$PY" benchmarks/bench_memory.py --device cuda --mb 1024 \
+  timeout 900 "$PY" benchmarks/bench_memory.py --device cuda --mb 1024 \
   --variants allreduce,zero_copy,fp16,fp16_offload,diloco_fp16_offload
 
 if ((${#failed[@]})); then
