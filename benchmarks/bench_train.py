@@ -586,10 +586,10 @@ def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) ->
         if best.get(f"{key}_values") and any(x is not None for x in best[f"{key}_values"]):
             out.append(line(f"x sooner than {peer}", key, lambda x: x > 1.0,
                             "target: ahead in every repeat"))
+    within = (lambda x: x <= 0.02)
     for r in rows:
         spec = VARIANT_SPECS.get(r["variant"])
         if spec is not None and spec.ours and spec.overlap and r.get("comm_share") is not None:
-            within = (lambda x: x <= 0.02)
             k, m = _met(r.get("comm_share_values") or [], within)
             out.append(f"- comm wait of `{r['variant']}` (overlapped): median "
                        f"{_shown(r['comm_share'], within, percent=True)} (target <= 2%: "

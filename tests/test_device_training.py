@@ -102,15 +102,15 @@ def _train_on_ranks(rank, world_size, device, name, steps=STEPS, save_at=None, f
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     handle = _register(ddp, opt, name)
     start = 0
-    path = f"{folder}/rank{rank}.pt"
+    path = f"{folder}/rank{rank}.pt" if folder is not None else None
     if resume:
-        resume = torch.load(path, weights_only=True, map_location=dev)
+        saved = torch.load(path, weights_only=True, map_location=dev)
         with torch.no_grad():
-            for p, v in zip(model.parameters(), resume["params"]):
+            for p, v in zip(model.parameters(), saved["params"]):
                 p.copy_(v)
-        opt.load_state_dict(resume["opt"])
-        handle.load_state_dict(resume["handle"])
-        start = resume["step"]
+        opt.load_state_dict(saved["opt"])
+        handle.load_state_dict(saved["handle"])
+        start = saved["step"]
     after_rounds = []
     for step in range(start, steps):
         x, y = (t.to(dev) for t in _batch(rank, step))
@@ -172,25 +172,23 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def cpu_runs():
-    """The CPU run of each setup, computed once (the CUDA cases compare with it)."""
-    return {}
+def trained():
+    """``trained(device, name)``: that setup's run on that device, trained once for the
+    module (the CUDA cases compare with the CPU runs)."""
+    runs = {}
 
-
-def _run(device: str, name: str, cache: dict | None = None):
-    key = (device, name)
-    if cache is not None and key in cache:
-        return cache[key]
-    out = run_ranks(_train_on_ranks, 2, timeout_s=120, device=device, name=name)
-    if cache is not None:
-        cache[key] = out
-    return out
+    def get(device: str, name: str):
+        if (device, name) not in runs:
+            runs[device, name] = run_ranks(_train_on_ranks, 2, timeout_s=120, device=device,
+                                           name=name)
+        return runs[device, name]
+    return get
 
 
 @pytest.mark.parametrize("name", list(SETUPS))
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_training_run_ends_near_plain_local_sgd(device, name, reference, cpu_runs):
-    results = _run(device, name, cpu_runs)
+def test_a_training_run_ends_near_plain_local_sgd(device, name, reference, trained):
+    results = trained(device, name)
     agree = SETUPS[name][3]
     for r in results:
         assert r["device"].startswith(device)
@@ -208,8 +206,8 @@ def test_a_training_run_ends_near_plain_local_sgd(device, name, reference, cpu_r
 
 @CUDA
 @pytest.mark.parametrize("name", list(SETUPS))
-def test_a_cuda_run_matches_the_same_run_on_the_cpu(name, cpu_runs):
-    cuda, cpu = _run("cuda", name, cpu_runs), _run("cpu", name, cpu_runs)
+def test_a_cuda_run_matches_the_same_run_on_the_cpu(name, trained):
+    cuda, cpu = trained("cuda", name), trained("cpu", name)
     # the arithmetic differs in the last bits between devices; a compressed hook's code
     # can flip on them, which error feedback carries into the next round
     for a, b in zip(cuda, cpu):
@@ -222,8 +220,8 @@ def test_a_cuda_run_matches_the_same_run_on_the_cpu(name, cpu_runs):
 @pytest.mark.parametrize("name, plain", [("allreduce_zero_copy", "allreduce"),
                                          ("fp16_offload", "fp16"),
                                          ("diloco_fp16_offload", "diloco_fp16")])
-def test_cuda_settings_documented_bit_identical_are(name, plain, cpu_runs):
-    for a, b in zip(_run("cuda", name, cpu_runs), _run("cuda", plain, cpu_runs)):
+def test_cuda_settings_documented_bit_identical_are(name, plain, trained):
+    for a, b in zip(trained("cuda", name), trained("cuda", plain)):
         assert torch.equal(a["final"], b["final"]), name
         assert all(torch.equal(x, y) for x, y in zip(a["after_rounds"], b["after_rounds"]))
 
