@@ -31,7 +31,7 @@ _KEYS = ("step_count", "next_round", "plan", "weight_totals", "config", "schedul
          "bucket_memory", "stats")
 # settings a checkpoint's config may lack, having been written before they existed, with
 # the value it was made with
-_ADDED_SETTINGS = {"fragment_layout": "contiguous"}
+_ADDED_SETTINGS = {"fragment_layout": "contiguous", "overlap_steps": None}
 
 
 def setting_name(key: str, theirs, mine) -> str:
@@ -85,8 +85,10 @@ class AveragingHandle:
     ``scaler.step(opt); scaler.update()`` (``verify=True`` catches drifting counters).
 
     With ``overlap=True`` a round is launched at its step and training goes on; the
-    result is applied at the first later ``step()`` that finds it complete, at the
-    latest before the next round (with ``fragments``: before the next round of the
+    result is applied at the first later ``step()`` that finds it complete (with
+    ``overlap_steps=N``: at the ``step()`` N steps after its launch, waiting for it
+    there if need be, so that results do not depend on timing), at the latest before
+    the next round (with ``fragments``: before the next round of the
     same fragment, so rounds of different fragments may be in flight together; with
     ``verify`` or ``track_consensus``, whose reports are collective, before the next
     round of any fragment), as ``params + (averaged - params_at_launch)`` (see
@@ -236,7 +238,7 @@ class AveragingHandle:
             fragment = self._due_in_replica(fragment)
         averaging = fragment is not None
         for rnd in list(self._in_flight):
-            if rnd.done() or (averaging and self.must_finish_before(rnd, fragment)):
+            if self._lands_now(rnd) or (averaging and self.must_finish_before(rnd, fragment)):
                 self._finish(rnd)
         if averaging:
             self._engine.report_deferred(self)
@@ -281,6 +283,14 @@ class AveragingHandle:
         """Which fragment a step averages, and each rank's local steps (read-only use)."""
         return self._plan
 
+    def _lands_now(self, rnd: Round) -> bool:
+        """Whether the current ``step()`` applies ``rnd``, outside the rounds that must
+        finish first: once complete, or ``overlap_steps`` steps after its launch."""
+        steps = self._options.overlap_steps
+        if steps is None:
+            return rnd.done()
+        return self._step_count - rnd.launch_step >= steps
+
     def must_finish_before(self, rnd: Round, fragment: int) -> bool:
         """Whether an overlapped round in flight must be applied before ``fragment``'s
         round starts: one of the same fragment (with ``fragments=1``, every one), and
@@ -303,6 +313,7 @@ class AveragingHandle:
                 self._plan.finished()  # a failed round too: the schedule goes on
             raise
         self._rounds_started += 1
+        rnd.launch_step = self._step_count
         if overlapped:
             self._in_flight.append(rnd)
             if self._plan.timed:  # the next round's clock starts as this one completes

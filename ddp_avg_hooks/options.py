@@ -79,12 +79,20 @@ class AveragingOptions:
         "bool: launch a round and keep training; apply it later as `params + (averaged - "
         "params_at_launch)`, at the first step that finds it complete, so the step it lands "
         "at, and the run's results, depend on timing (a `RoundCheckpointer` save finishes "
-        "it at its launch). Keep a round's duration well under the period: the correction "
-        "is stale by the steps taken meanwhile, and a round a whole period late can cost "
-        "more loss than it saves. Buffers and optimizer state averaged by the round take "
+        "it at its launch; `overlap_steps` fixes the step instead). Keep a round's duration "
+        "well under the period: the correction is stale by the steps taken meanwhile, and a "
+        "round a whole period late can cost more loss than it saves. Buffers and optimizer state averaged by the round take "
         "the same rule (a copy of them is kept for it); one that held no negative value "
         "at launch (Adam's second moment, a running variance) is kept no lower than the "
         "smaller of its value and its average"), agreed=True)
+    overlap_steps: int | None = _option(None, (
+        "int >= 1, with `overlap`: apply each round exactly this many steps after its "
+        "launch, waiting for it there if it is not complete (earlier only where a round "
+        "must finish first: the next round of its fragment, `average()`, `state_dict()`), "
+        "so the step it lands at, and the run's results, no longer depend on timing, and a "
+        "run resumed from any save repeats the one that saved. `1` keeps rounds as fresh as "
+        "they can be; a round that takes longer than that many steps makes training wait "
+        "for it (the comm wait). Not with time-based rounds (`EverySeconds`)"), agreed=True)
     track_consensus: bool = _option(False, (
         "bool: measure the replicas' mean squared distance from their average at each "
         "round, `stats.consensus_distance` (one scalar all-reduce)"), agreed=True)
@@ -191,6 +199,11 @@ class AveragingOptions:
             if not self.overlap:
                 raise ValueError("mixing= sets how an overlapped round is applied: "
                                  "pass overlap=True too")
+        if self.overlap_steps is not None:
+            check_int("overlap_steps", self.overlap_steps, 1)
+            if not self.overlap:
+                raise ValueError("overlap_steps= sets when an overlapped round is applied: "
+                                 "pass overlap=True too")
         if self.on_round is not None and not callable(self.on_round):
             raise TypeError(
                 f"on_round must be callable(handle), got {type(self.on_round).__name__}"
@@ -207,6 +220,11 @@ class AveragingOptions:
                 "keep_anchor=False, but EverySeconds' weighting by steps needs anchors: "
                 "drop keep_anchor=False or use EverySeconds(..., weighting='equal')"
             )
+        if self.overlap_steps is not None and timed:
+            raise ValueError(
+                "overlap_steps= applies a round a fixed number of steps after its launch, "
+                "but EverySeconds starts the next round's clock when a round completes: drop "
+                "overlap_steps (or use an int period)")
         if self.fragments > 1 and not (timed or isinstance(self.schedule, ConstantPeriod)):
             raise ValueError(
                 f"fragments={self.fragments} needs an int period or schedules.EverySeconds, "

@@ -137,6 +137,7 @@ class Round:
         fragment: the fragment it averages (``None``: every bucket).
         weights: the ranks' step counts in flight (a weighted round), if any.
         completed_at: when its last future completed (see :meth:`record_completion`).
+        launch_step: the handle's step count at launch (set by the handle).
         results: the checked results, once collected (``extra_results`` likewise).
         bytes_sent: bytes this rank sent, set when collected (even if a check failed).
         wait_seconds: seconds spent waiting for its futures.
@@ -154,6 +155,7 @@ class Round:
     fragment: int | None = None
     weights: WeightExchange | None = None
     completed_at: float | None = None
+    launch_step: int | None = None
     results: list[torch.Tensor] | None = None
     extra_results: list[torch.Tensor] | None = None
     bytes_sent: int = 0

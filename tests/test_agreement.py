@@ -38,7 +38,7 @@ OPTION_FIELDS = {
     "track_consensus": [False, True], "average_buffers": [False, True],
     "optimizer_state": ["keep", "average", "reset"], "fragments": [1, 2],
     "fragment_layout": ["contiguous", "interleaved"],
-    "mixing": [None, 0.5], "keep_anchor": [None, True],
+    "mixing": [None, 0.5], "overlap_steps": [None, 1], "keep_anchor": [None, True],
     # not agreed: they change neither the collectives nor the result
     "zero_copy": [False, True], "offload_state": [False, True], "on_round": [None, "count"],
 }
@@ -169,6 +169,7 @@ LISTED = {
     "optimizer_state": ("allreduce", {}, {"optimizer_state": "average"}),
     "average_buffers": ("allreduce", {}, {"average_buffers": True}),
     "mixing": ("fp16", {}, {"overlap": True, "mixing": 0.5}),
+    "overlap_steps": ("fp16", {}, {"overlap": True, "overlap_steps": 1}),
     "fragments": ("allreduce", {}, {"fragments": 2}),
     "fragment_layout": ("allreduce", {}, {"fragments": 2, "fragment_layout": "interleaved"}),
     "bucket_cap_mb": ("allreduce", {}, {"bucket_cap_mb": 1.0}),

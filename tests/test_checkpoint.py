@@ -18,17 +18,18 @@ STEPS, PERIOD, WARMUP = 14, 3, 2  # rounds after steps 2, 5, 8, 11
 
 
 def _rank_train(rank, world_size, ckpt_dir, stop_at=None, resume=False, wrapped=False,
-                overlap=False):
+                overlap=False, every_rounds=1, **options):
     model = make_model()
     ddp = DDP(model)
     inner = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=PERIOD,
                                          warmup_steps=WARMUP, overlap=overlap,
-                                         optimizer=None if wrapped else inner)
+                                         optimizer=None if wrapped else inner, **options)
     opt = dah.AveragingOptimizer(inner, handle) if wrapped else inner
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, sched, keep=2)
+    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, sched, keep=2,
+                             every_rounds=every_rounds)
     restored = ckpt.restore() if resume else None
     restored_at = (handle.step_count, handle.stats.rounds, handle.stats.bytes_sent)
     for step in range(handle.step_count, STEPS):
@@ -96,6 +97,21 @@ def test_overlapped_rounds_keep_a_model_per_rank(tmp_path):
     resumed = run_ranks(_rank_train, 2, timeout_s=90, ckpt_dir=str(tmp_path / "b"), resume=True,
                         overlap=True)
     for r in range(2):
+        assert torch.equal(resumed[r]["params"], straight[r]["params"])
+
+
+@pytest.mark.parametrize("overlap_steps", [1, 2])
+def test_overlapped_rounds_at_a_fixed_step_resume_bit_identical_between_saves(tmp_path,
+                                                                              overlap_steps):
+    """Saving every other round, the unsaved rounds land ``overlap_steps`` after their
+    launch in the run that stopped, in the resumed one and in one that never stopped."""
+    kw = dict(timeout_s=90, overlap=True, every_rounds=2, overlap_steps=overlap_steps)
+    straight = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "a"), **kw)
+    first = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "b"), stop_at=11, **kw)
+    assert first[0]["completed"] == [2]  # saved at the round after step 5, not after step 8
+    resumed = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "b"), resume=True, **kw)
+    for r in range(2):
+        assert resumed[r]["restored"] == 2
         assert torch.equal(resumed[r]["params"], straight[r]["params"])
 
 

@@ -66,6 +66,15 @@ SETUPS = {
                        {"overlap": True, "fragments": 2, "fragment_layout": "interleaved"}, False),
     "allreduce_overlap_optstate": ("allreduce_hook", None,
                                    {"overlap": True, "optimizer_state": "average"}, False),
+    "int4_streaming_steps1": ("int4_compress_hook", None,
+                              {"overlap": True, "overlap_steps": 1, "fragments": 2,
+                               "fragment_layout": "interleaved"}, False),
+    "allreduce_overlap_steps1": ("allreduce_hook", None, {"overlap": True, "overlap_steps": 1},
+                                 False),
+    "allreduce_overlap_steps2": ("allreduce_hook", None, {"overlap": True, "overlap_steps": 2},
+                                 False),
+    "allreduce_overlap_steps4": ("allreduce_hook", None,
+                                 {"overlap": True, "overlap_steps": PERIOD}, False),
 }
 
 
@@ -130,10 +139,23 @@ def _train_on_ranks(rank, world_size, device, name, steps=STEPS, save_at=None, f
     return out
 
 
-def _reference(steps: int = STEPS, world_size: int = 2) -> list[torch.Tensor]:
-    """Plain local SGD on the CPU: each replica's flat parameters at the end."""
+def _reference(steps: int = STEPS, world_size: int = 2,
+               overlap_steps: int | None = None) -> list[torch.Tensor]:
+    """Plain local SGD on the CPU: each replica's flat parameters at the end.
+
+    ``overlap_steps=N``: a round's average reaches the replicas N steps after the
+    round's step, each adding it as ``params + (average - params_then)``; the rounds
+    still pending at the end land then.
+    """
     models = [_model() for _ in range(world_size)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in models]
+    pending = []  # (step it lands at, each replica's parameters at launch, their average)
+
+    def land(at_launch, average):
+        with torch.no_grad():
+            for m, launched in zip(models, at_launch):
+                for p, a, at in zip(m.parameters(), average, launched):
+                    p.add_(a - at)
     for step in range(steps):
         for r, (m, o) in enumerate(zip(models, opts)):
             o.zero_grad()
@@ -146,12 +168,20 @@ def _reference(steps: int = STEPS, world_size: int = 2) -> list[torch.Tensor]:
                     p.grad.copy_(mean)
         for o in opts:
             o.step()
+        while pending and pending[0][0] == step:
+            land(*pending.pop(0)[1:])
         if step >= WARMUP and (step - WARMUP) % PERIOD == 0:
-            with torch.no_grad():
-                for ps in zip(*(m.parameters() for m in models)):
-                    mean = sum(p / world_size for p in ps)
-                    for p in ps:
-                        p.copy_(mean)
+            at_launch = [[p.detach().clone() for p in m.parameters()] for m in models]
+            average = [sum(p / world_size for p in ps) for ps in zip(*at_launch)]
+            if overlap_steps is None:
+                with torch.no_grad():
+                    for m in models:
+                        for p, a in zip(m.parameters(), average):
+                            p.copy_(a)
+            else:  # training goes on meanwhile
+                pending.append((step + overlap_steps, at_launch, average))
+    for _, at_launch, average in pending:
+        land(at_launch, average)
     return [_flat(m) for m in models]
 
 
@@ -162,13 +192,26 @@ def _reference(steps: int = STEPS, world_size: int = 2) -> list[torch.Tensor]:
 TOLERANCE = {"allreduce": 1e-5, "allreduce_zero_copy": 1e-5, "fp16": 2e-4, "fp16_offload": 2e-4,
              "bf16": 2e-3, "int8": 5e-4, "int4": 1e-2, "powersgd": 0.2, "diloco_fp16": 2e-4,
              "diloco_fp16_offload": 2e-4, "int8_fragments": 0.03, "int4_streaming": 0.1,
-             "allreduce_overlap_optstate": 0.1}
+             "allreduce_overlap_optstate": 0.1, "int4_streaming_steps1": 0.1,
+             # against plain local SGD whose rounds land as late (see _reference)
+             "allreduce_overlap_steps1": 1e-5, "allreduce_overlap_steps2": 1e-5,
+             "allreduce_overlap_steps4": 1e-5}
 ROUNDS = len([s for s in range(STEPS) if s >= WARMUP and (s - WARMUP) % PERIOD == 0])
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _reference()
+    """``reference(name)``: plain local SGD for that setup (its rounds landing as late as
+    its ``overlap_steps`` says, for a round of the whole model), computed once."""
+    refs = {}
+
+    def get(name: str):
+        options = SETUPS[name][2]
+        late = options.get("overlap_steps") if options.get("fragments", 1) == 1 else None
+        if late not in refs:
+            refs[late] = _reference(overlap_steps=late)
+        return refs[late]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +241,7 @@ def test_a_training_run_ends_near_plain_local_sgd(device, name, reference, train
             assert len(r["after_rounds"]) == r["rounds"]
             for a, b in zip(r["after_rounds"], results[0]["after_rounds"]):
                 assert torch.equal(a, b)
-    for r, ref in zip(results, reference):
+    for r, ref in zip(results, reference(name)):
         gap = (r["final"] - ref).abs().max().item()
         print(f"{device} {name}: max |params - plain local SGD| = {gap:.3g}")
         assert gap <= TOLERANCE[name], (name, gap)
@@ -226,9 +269,10 @@ def test_cuda_settings_documented_bit_identical_are(name, plain, trained):
         assert all(torch.equal(x, y) for x, y in zip(a["after_rounds"], b["after_rounds"]))
 
 
-# Blocking rounds only: an overlapped round is applied at the first step that finds it
-# complete, so two runs with overlap=True differ by when their rounds completed.
-@pytest.mark.parametrize("name", ["int4", "int8_fragments", "diloco_fp16_offload"])
+# Blocking rounds, and overlapped ones applied at a fixed step (overlap_steps): one applied
+# at the first step that finds it complete lands where the timing puts it.
+@pytest.mark.parametrize("name", ["int4", "int8_fragments", "diloco_fp16_offload",
+                                  "int4_streaming_steps1", "allreduce_overlap_steps2"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_run_resumed_from_the_handles_state_dict_is_bit_identical(device, name, tmp_path):
     kw = dict(timeout_s=120, device=device, name=name, folder=str(tmp_path))
@@ -236,3 +280,14 @@ def test_a_run_resumed_from_the_handles_state_dict_is_bit_identical(device, name
     resumed = run_ranks(_train_on_ranks, 2, resume=True, **kw)
     for a, b in zip(resumed, whole):
         assert torch.equal(a["final"], b["final"]), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_rounds_at_a_fixed_step_repeat_bit_for_bit(device, trained):
+    """With ``overlap_steps`` the step a round lands at, and so the run, does not depend on
+    when its collectives complete: a second run ends on the same bits."""
+    name = "int4_streaming_steps1"
+    again = run_ranks(_train_on_ranks, 2, timeout_s=120, device=device, name=name)
+    for a, b in zip(again, trained(device, name)):
+        assert torch.equal(a["final"], b["final"])
+        assert all(torch.equal(x, y) for x, y in zip(a["after_rounds"], b["after_rounds"]))

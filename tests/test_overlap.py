@@ -117,3 +117,84 @@ def test_mixing_needs_overlap_and_a_weight_in_0_1(world1):
     with pytest.raises(ValueError, match=r"mixing must be in \[0, 1\]"):
         dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
                                     overlap=True, mixing=1.5)
+
+
+def test_overlap_steps_needs_overlap_a_count_and_a_step_based_period(world1):
+    ddp = DDP(_model())
+    with pytest.raises(ValueError, match="pass overlap=True"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                    overlap_steps=1)
+    with pytest.raises(ValueError, match="overlap_steps must be >= 1, got 0"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                    overlap=True, overlap_steps=0)
+    with pytest.raises(TypeError, match="overlap_steps must be an int, got float"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                    overlap=True, overlap_steps=1.0)
+    with pytest.raises(ValueError, match="EverySeconds"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, overlap=True,
+                                    period=dah.schedules.EverySeconds(1.0), overlap_steps=1)
+
+
+def test_overlap_steps_applies_a_round_that_many_steps_after_its_launch(world1):
+    """The round stays in flight, complete or not, until the step ``overlap_steps`` after
+    its launch, and is applied there; a later round's launch applies it earlier."""
+    model = _model()
+    handle = dah.register_averaging_hook(DDP(model), dah.hooks.allreduce_hook, None, period=4,
+                                         overlap=True, overlap_steps=3)
+    assert handle.step()  # step 0: launched
+    landed_at = []
+    for step in range(1, 9):
+        for rnd in handle.rounds_in_flight:
+            rnd.futures[0].wait()  # complete, not yet applied
+            assert rnd.done()
+        rounds = handle.stats.rounds
+        launched = handle.step()
+        if handle.stats.rounds != rounds:
+            landed_at.append(step)
+        assert launched == (step % 4 == 0)
+    assert landed_at == [3, 7]
+    handle.remove()
+
+
+def _rank_late_rounds(rank, world_size, delay_s, overlap_steps):
+    """Train with rounds whose result arrives ``delay_s`` after launch (a slow link);
+    the final parameters and the steps at which rounds were applied."""
+    import threading
+    import time
+
+    from _helpers import flat, make_model, train_step
+
+    def slow_allreduce(state, bucket):
+        fut, late = dah.hooks.allreduce_hook(state, bucket), torch.futures.Future()
+
+        def arrive():
+            time.sleep(delay_s)
+            late.set_result(fut.wait())
+        threading.Thread(target=arrive, daemon=True).start()
+        return late
+
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    handle = dah.register_averaging_hook(ddp, slow_allreduce, None, period=4, optimizer=opt,
+                                         overlap=True, overlap_steps=overlap_steps)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    landed = []
+    for step in range(14):
+        rounds = handle.stats.rounds
+        train_step(ddp, opt, rank, step)
+        if handle.stats.rounds != rounds:
+            landed.append(step)
+    handle.synchronize()
+    out = {"params": flat(ddp.module), "landed": landed}
+    handle.remove()
+    return out
+
+
+def test_overlap_steps_results_do_not_depend_on_how_long_a_round_takes():
+    """Rounds 0.2 s late or at once: with ``overlap_steps=2`` both runs apply every round
+    two steps after its launch and end on the same bits."""
+    late = run_ranks(_rank_late_rounds, 2, timeout_s=60, delay_s=0.2, overlap_steps=2)
+    prompt = run_ranks(_rank_late_rounds, 2, timeout_s=60, delay_s=0.0, overlap_steps=2)
+    for a, b in zip(late, prompt):
+        assert a["landed"] == b["landed"] == [2, 6, 10]
+        assert torch.equal(a["params"], b["params"])

@@ -37,6 +37,8 @@ next to this file), listed here in its order:
   ``int8_streaming_interleaved``, ``int4_streaming_interleaved``: with
   ``fragment_layout="interleaved"`` (every fragment takes layers from all over the model);
   ``int4_streaming_interleaved_half_period``: the latter at half of ``--period``;
+  ``int4_streaming_interleaved_next_step``: with each round applied at the step after
+  its launch, whenever it completes (``overlap_steps=1``);
 - ``int4_streaming_reducer_on``: ``int4_streaming`` with DDP's gradient reducer left
   running after the warm-up (``handle.reducer_switch.release()``);
 - ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with
@@ -466,12 +468,16 @@ def _fsdp_variant(name: str, spec, model: nn.Module, opt, meter: CommMeter, args
 
 def _stream_options(spec, args, opt=None) -> dict:
     """The registration options a variant takes from the flags and its record:
-    ``fragments`` and ``fragment_layout`` for the fragment variants, ``mixing`` for the
-    overlapped ones, ``optimizer_state`` (with ``opt``) where the record sets it."""
+    ``fragments`` and ``fragment_layout`` for the fragment variants, ``mixing`` and
+    ``overlap_steps`` for the overlapped ones, ``optimizer_state`` (with ``opt``) where
+    the record sets it."""
     options = {"fragments": args.fragments, "fragment_layout": spec.fragment_layout} \
         if spec.fragments else {}
     if spec.overlap and args.mixing is not None:
         options["mixing"] = args.mixing
+    overlap_steps = args.overlap_steps if args.overlap_steps is not None else spec.overlap_steps
+    if spec.overlap and overlap_steps is not None:
+        options["overlap_steps"] = overlap_steps
     if spec.optimizer_state != "keep":
         options.update(optimizer_state=spec.optimizer_state, optimizer=opt)
     return options
@@ -627,6 +633,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mixing", type=float, default=None,
                    help="*_overlap: apply a late round as mixing * params + (1 - mixing) * "
                         "averaged")
+    p.add_argument("--overlap-steps", type=int, default=None,
+                   help="overlapped variants: apply each round this many steps after its launch, "
+                        "whenever it completes (the registration's overlap_steps)")
     p.add_argument("--round-delay", type=float, default=0.0,
                    help="our hooks: a round's result arrives this many seconds late (a slow "
                         "link emulated on loopback, for overlap's staleness)")

@@ -37,6 +37,9 @@ class VariantSpec:
       PowerSGD state, rank ``powersgd_rank`` or ``--powersgd-rank``), ``"outer"`` (DiLoCo's
       outer Nesterov SGD, ``--outer-lr`` / ``--outer-momentum``), ``None``: no state;
     - ``overlap``: rounds overlapped with training (``--mixing`` applies);
+    - ``overlap_steps``: with ``overlap``, each round applied this many steps after its
+      launch, whenever it completes (the registration's ``overlap_steps``; the flag
+      ``--overlap-steps`` sets it for every overlapped variant);
     - ``fragments``: ``--fragments`` fragments take turns;
     - ``fragment_layout``: with ``fragments``, how the parameters are dealt into them
       (the registration's ``fragment_layout``);
@@ -63,6 +66,7 @@ class VariantSpec:
     state: str | None = None
     powersgd_rank: int | None = None
     overlap: bool = False
+    overlap_steps: int | None = None
     fragments: bool = False
     fragment_layout: str = "contiguous"
     optimizer_state: str = "keep"
@@ -123,6 +127,9 @@ _SPECS = (
                 fragments=True, fragment_layout="interleaved"),
     VariantSpec("int4_streaming_interleaved", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True, fragment_layout="interleaved"),
+    # the latter with every round applied at the step after its launch, whenever it completes
+    VariantSpec("int4_streaming_interleaved_next_step", OURS, hook="int4_compress_hook",
+                overlap=True, overlap_steps=1, fragments=True, fragment_layout="interleaved"),
     # DDP's reducer left running after the warm-up (what the hook cost before it was skipped)
     VariantSpec("int4_streaming_reducer_on", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True, keep_reducer=True),

@@ -234,3 +234,14 @@ def test_split_available_keeps_runnable_variants_and_says_why_not():
     ok, not_run = train.split_available("ddp,nope,diloco")
     assert ok == ["ddp", "diloco"]
     assert len(not_run) == 1 and not_run[0].startswith("nope: ") and "unknown" in not_run[0]
+
+
+def test_rounds_at_a_fixed_step_repeat_the_run(tmp_path):
+    # overlap_steps=1: every round lands at the step after its launch, so a second run
+    # of the seed gives the same losses, validation included
+    runs = [_run("int4_streaming_interleaved_next_step", tmp_path / str(i), ["--fragments", "2"])
+            for i in range(2)]
+    assert [s["step"] for s in runs[0]["steps"] if s["averaged"]] == list(range(0, 40, 2))
+    assert runs[0]["summary"]["handle_stats"]["rounds"] == 20
+    for key, field in (("steps", "loss"), ("evals", "val_loss")):
+        assert [s[field] for s in runs[0][key]] == [s[field] for s in runs[1][key]], key
