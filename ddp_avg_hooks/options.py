@@ -81,8 +81,8 @@ class AveragingOptions:
         "at, and the run's results, depend on timing (a `RoundCheckpointer` save finishes "
         "it at its launch; `overlap_steps` fixes the step instead). Keep a round's duration "
         "well under the period: the correction is stale by the steps taken meanwhile, and a "
-        "round a whole period late can cost more loss than it saves. Buffers and optimizer state averaged by the round take "
-        "the same rule (a copy of them is kept for it); one that held no negative value "
+        "round a whole period late can cost more loss than it saves. Buffers and optimizer "
+        "state averaged by the round take the same rule (a copy of them is kept for it); one that held no negative value "
         "at launch (Adam's second moment, a running variance) is kept no lower than the "
         "smaller of its value and its average"), agreed=True)
     overlap_steps: int | None = _option(None, (
