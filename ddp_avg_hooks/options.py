@@ -82,9 +82,10 @@ class AveragingOptions:
         "it at its launch; `overlap_steps` fixes the step instead). Keep a round's duration "
         "well under the period: the correction is stale by the steps taken meanwhile, and a "
         "round a whole period late can cost more loss than it saves. Buffers and optimizer "
-        "state averaged by the round take the same rule (a copy of them is kept for it); one that held no negative value "
-        "at launch (Adam's second moment, a running variance) is kept no lower than the "
-        "smaller of its value and its average"), agreed=True)
+        "state averaged by the round take the same rule (a copy of them is kept for it); "
+        "one that held no negative value at launch (Adam's second moment, a running "
+        "variance) is kept no lower than the smaller of its value and its average"),
+        agreed=True)
     overlap_steps: int | None = _option(None, (
         "int >= 1, with `overlap`: apply each round exactly this many steps after its "
         "launch, waiting for it there if it is not complete (earlier only where a round "
