@@ -5,8 +5,9 @@ CUDA tensors, NCCL would refuse two ranks on one GPU), with the README's setup:
 SGD with momentum, a warm-up of synchronised gradients, then rounds every ``period``
 steps. Each run is checked against an independent reference, plain local SGD replayed
 in this process on the CPU (two replicas, gradients averaged during the warm-up, the
-parameters averaged at every round), and every blocking round of the whole model must
-leave the replicas bit-identical. On a CUDA device each run is also compared with the
+parameters averaged at every round, or with ``overlap_steps`` that average added that
+many steps later), and every blocking round of the whole model must leave the replicas
+bit-identical. On a CUDA device each run is also compared with the
 same run on the CPU, and the settings documented as bit-identical (``offload_state``,
 ``zero_copy``) are compared with the plain run bit for bit. Without a CUDA device the
 CUDA cases skip.
