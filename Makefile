@@ -151,6 +151,11 @@ bench: ext
 	    --variants ddp,none,int4_streaming_interleaved,int4_streaming_interleaved_next_step \
 	    --out benchmarks/results/ideas_next_step_seed$$seed \
 	    --title "Fewer steps to the target: rounds applied at the step after their launch (overlap_steps=1), fragments of layers from all over the model, 100 Mbit/s, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming_interleaved,int4_streaming_interleaved_next_step \
+	    --variant-args "int4_streaming_interleaved_next_step=--overlap-steps 2" \
+	    --out benchmarks/results/ideas_two_steps_seed$$seed \
+	    --title "Fewer steps to the target: rounds applied two steps after their launch (overlap_steps=2), fragments of layers from all over the model, 100 Mbit/s, seed $$seed"; \
 	done
 	$(PY) benchmarks/bench_train.py --profiles loopback --repeats 3 --seed 0 \
 	  --variants ddp,none,torch_localsgd,fp16_streaming,int8_streaming,int4_streaming,int4_streaming_interleaved \
