@@ -146,10 +146,15 @@ def _rank_streaming(rank, world_size):
              {"fragments": 2, "overlap": True, "period": 4}),
             ("interleaved", h.int8_compress_hook,
              {"fragments": 2, "overlap": True, "period": 4, "fragment_layout": "interleaved"}),
+            ("fixed_step", h.int8_compress_hook,
+             {"fragments": 2, "overlap": True, "period": 4, "overlap_steps": 1}),
+            ("fixed_step_again", h.int8_compress_hook,
+             {"fragments": 2, "overlap": True, "period": 4, "overlap_steps": 1}),
             ("timed", h.allreduce_hook, {"period": dah.schedules.EverySeconds(0.05),
                                          "rounds": 4})):
-        out[name] = _train(rank, hook, lambda g: g, synchronize=name != "timed", steps=12,
-                           **opts)
+        # rounds applied at the step after their launch need no synchronize() to repeat
+        out[name] = _train(rank, hook, lambda g: g, steps=12, **opts,
+                           synchronize=name not in ("timed", "fixed_step", "fixed_step_again"))
     # time-based rounds: the ranks of a replica group start the same rounds at the same steps
     out["timed_steps"] = len(out["timed"]["full"])
     # optimizer state averaged across replicas (DTensor Adam moments)
@@ -164,7 +169,8 @@ def test_fragments_overlap_mixing_time_based_rounds_and_optimizer_state():
     runs = run_ranks(_rank_streaming, 4, timeout_s=300)
     for rank in (0, 1):
         mine, peer = runs[rank], runs[rank + 2]
-        for name in ("fragments", "overlap_mixing", "fragments_overlap", "interleaved", "timed"):
+        for name in ("fragments", "overlap_mixing", "fragments_overlap", "interleaved", "timed",
+                     "fixed_step"):
             assert mine[name]["rounds"] == peer[name]["rounds"] >= 2, name
             # the replicas agree on what the rounds averaged: the anchors
             for a, b in zip(mine[name]["anchors"], peer[name]["anchors"]):
@@ -173,6 +179,9 @@ def test_fragments_overlap_mixing_time_based_rounds_and_optimizer_state():
         assert mine["fragments"]["rounds"] == 5
         assert not mine["fragments"]["anchors"]  # the exact hook keeps no anchor
         assert runs[rank]["timed_steps"] == runs[rank ^ 1]["timed_steps"]  # its shard peer
+        # overlap_steps: a second run gives the same parameters after every step
+        for a, b in zip(mine["fixed_step"]["full"], mine["fixed_step_again"]["full"]):
+            assert torch.equal(a, b)
         for a, b in zip(mine["adam_average"]["opt_state"], peer["adam_average"]["opt_state"]):
             assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))
         keep = [torch.equal(a["exp_avg"], b["exp_avg"])
