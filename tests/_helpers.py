@@ -6,9 +6,12 @@ parent can replay exactly what every rank saw.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,24 @@ def flat(model_or_params) -> torch.Tensor:
     params = (model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module)
               else model_or_params)
     return torch.cat([p.detach().reshape(-1) for p in params]).clone()
+
+
+def late(hook, seconds: float):
+    """``hook`` whose result arrives ``seconds`` after the call (a slow link): the same
+    collectives, issued at once, and the same declarations (``functools.wraps``)."""
+    @functools.wraps(hook)
+    def delayed(state, bucket):
+        fut, result = hook(state, bucket), torch.futures.Future()
+
+        def arrive():
+            time.sleep(seconds)
+            try:
+                result.set_result(fut.wait())
+            except Exception as exc:  # the caller's wait raises it
+                result.set_exception(exc)
+        threading.Thread(target=arrive, daemon=True).start()
+        return result
+    return delayed
 
 
 def report(name, ok: bool, detail):

@@ -12,17 +12,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_avg_hooks as dah
 from ddp_avg_hooks.checkpoint import RoundCheckpointer
 from _dist import run_ranks
-from _helpers import flat, make_model, train_step
+from _helpers import flat, late, make_model, train_step
 
 STEPS, PERIOD, WARMUP = 14, 3, 2  # rounds after steps 2, 5, 8, 11
 
 
 def _rank_train(rank, world_size, ckpt_dir, stop_at=None, resume=False, wrapped=False,
-                overlap=False, every_rounds=1, **options):
+                overlap=False, every_rounds=1, delay_s=0.0, **options):
     model = make_model()
     ddp = DDP(model)
     inner = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=PERIOD,
+    hook = late(dah.hooks.fp16_compress_hook, delay_s) if delay_s else dah.hooks.fp16_compress_hook
+    handle = dah.register_averaging_hook(ddp, hook, None, period=PERIOD,
                                          warmup_steps=WARMUP, overlap=overlap,
                                          optimizer=None if wrapped else inner, **options)
     opt = dah.AveragingOptimizer(inner, handle) if wrapped else inner
@@ -104,9 +105,11 @@ def test_overlapped_rounds_keep_a_model_per_rank(tmp_path):
 def test_overlapped_rounds_at_a_fixed_step_resume_bit_identical_between_saves(tmp_path,
                                                                               overlap_steps):
     """Saving every other round, the unsaved rounds land ``overlap_steps`` after their
-    launch in the run that stopped, in the resumed one and in one that never stopped."""
+    launch in the run that stopped, in the resumed one and in one that never stopped,
+    whose rounds arrive 0.2 s late (at the first step that finds them complete they
+    would land at the next round's launch there, the step after their own elsewhere)."""
     kw = dict(timeout_s=90, overlap=True, every_rounds=2, overlap_steps=overlap_steps)
-    straight = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "a"), **kw)
+    straight = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "a"), delay_s=0.2, **kw)
     first = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "b"), stop_at=11, **kw)
     assert first[0]["completed"] == [2]  # saved at the round after step 5, not after step 8
     resumed = run_ranks(_rank_train, 2, ckpt_dir=str(tmp_path / "b"), resume=True, **kw)

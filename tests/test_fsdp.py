@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddp_avg_hooks as dah
 import _fsdp as F
 from _dist import run_ranks
-from _helpers import make_model
+from _helpers import late, make_model
 
 pytestmark = pytest.mark.slow
 h = dah.hooks
@@ -148,13 +148,14 @@ def _rank_streaming(rank, world_size):
              {"fragments": 2, "overlap": True, "period": 4, "fragment_layout": "interleaved"}),
             ("fixed_step", h.int8_compress_hook,
              {"fragments": 2, "overlap": True, "period": 4, "overlap_steps": 1}),
-            ("fixed_step_again", h.int8_compress_hook,
+            # the same with each round's result 0.2 s late, several steps of this model
+            ("fixed_step_late", late(h.int8_compress_hook, 0.2),
              {"fragments": 2, "overlap": True, "period": 4, "overlap_steps": 1}),
             ("timed", h.allreduce_hook, {"period": dah.schedules.EverySeconds(0.05),
                                          "rounds": 4})):
         # rounds applied at the step after their launch need no synchronize() to repeat
         out[name] = _train(rank, hook, lambda g: g, steps=12, **opts,
-                           synchronize=name not in ("timed", "fixed_step", "fixed_step_again"))
+                           synchronize=name not in ("timed", "fixed_step", "fixed_step_late"))
     # time-based rounds: the ranks of a replica group start the same rounds at the same steps
     out["timed_steps"] = len(out["timed"]["full"])
     # optimizer state averaged across replicas (DTensor Adam moments)
@@ -179,8 +180,8 @@ def test_fragments_overlap_mixing_time_based_rounds_and_optimizer_state():
         assert mine["fragments"]["rounds"] == 5
         assert not mine["fragments"]["anchors"]  # the exact hook keeps no anchor
         assert runs[rank]["timed_steps"] == runs[rank ^ 1]["timed_steps"]  # its shard peer
-        # overlap_steps: a second run gives the same parameters after every step
-        for a, b in zip(mine["fixed_step"]["full"], mine["fixed_step_again"]["full"]):
+        # overlap_steps: rounds that arrive late give the same parameters after every step
+        for a, b in zip(mine["fixed_step"]["full"], mine["fixed_step_late"]["full"]):
             assert torch.equal(a, b)
         for a, b in zip(mine["adam_average"]["opt_state"], peer["adam_average"]["opt_state"]):
             assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq"))

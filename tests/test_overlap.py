@@ -135,12 +135,14 @@ def test_overlap_steps_needs_overlap_a_count_and_a_step_based_period(world1):
                                     period=dah.schedules.EverySeconds(1.0), overlap_steps=1)
 
 
-def test_overlap_steps_applies_a_round_that_many_steps_after_its_launch(world1):
+@pytest.mark.parametrize("overlap_steps, landed", [(3, [3, 7]), (6, [4, 8])])
+def test_overlap_steps_applies_a_round_that_many_steps_after_its_launch(world1, overlap_steps,
+                                                                       landed):
     """The round stays in flight, complete or not, until the step ``overlap_steps`` after
     its launch, and is applied there; a later round's launch applies it earlier."""
     model = _model()
     handle = dah.register_averaging_hook(DDP(model), dah.hooks.allreduce_hook, None, period=4,
-                                         overlap=True, overlap_steps=3)
+                                         overlap=True, overlap_steps=overlap_steps)
     assert handle.step()  # step 0: launched
     landed_at = []
     for step in range(1, 9):
@@ -152,31 +154,20 @@ def test_overlap_steps_applies_a_round_that_many_steps_after_its_launch(world1):
         if handle.stats.rounds != rounds:
             landed_at.append(step)
         assert launched == (step % 4 == 0)
-    assert landed_at == [3, 7]
+    assert landed_at == landed
     handle.remove()
 
 
 def _rank_late_rounds(rank, world_size, delay_s, overlap_steps):
     """Train with rounds whose result arrives ``delay_s`` after launch (a slow link);
     the final parameters and the steps at which rounds were applied."""
-    import threading
-    import time
-
-    from _helpers import flat, make_model, train_step
-
-    def slow_allreduce(state, bucket):
-        fut, late = dah.hooks.allreduce_hook(state, bucket), torch.futures.Future()
-
-        def arrive():
-            time.sleep(delay_s)
-            late.set_result(fut.wait())
-        threading.Thread(target=arrive, daemon=True).start()
-        return late
+    from _helpers import flat, late, make_model, train_step
 
     ddp = DDP(make_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    handle = dah.register_averaging_hook(ddp, slow_allreduce, None, period=4, optimizer=opt,
-                                         overlap=True, overlap_steps=overlap_steps)
+    handle = dah.register_averaging_hook(ddp, late(dah.hooks.allreduce_hook, delay_s), None,
+                                         period=4, optimizer=opt, overlap=True,
+                                         overlap_steps=overlap_steps)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     landed = []
     for step in range(14):
