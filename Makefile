@@ -167,6 +167,7 @@ bench: ext
 	    --out benchmarks/results/reducer_switch_loopback_seed$$seed \
 	    --title "The local step with DDP's gradient reducer off after the warm-up, and kept on, loopback, seed $$seed" || exit 1; \
 	done
+	$(PY) benchmarks/bench_local_step.py
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 	$(PY) benchmarks/bench_optimizer_state_steps.py --seeds 0,1,2,3,4

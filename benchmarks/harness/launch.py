@@ -48,9 +48,9 @@ def _env(extra: dict | None = None) -> dict:
     return env
 
 
-def loopback_command(train_args: list[str], nproc: int = 2) -> list[str]:
+def loopback_command(train_args: list[str], nproc: int = 2, script: str = TRAIN) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), TRAIN, *train_args]
+            "--nproc-per-node", str(nproc), script, *train_args]
 
 
 def two_node_commands(pair: NetnsPair, train_args: list[str], rdzv_id: str | None = None,
@@ -94,11 +94,13 @@ def _kill_tree(p: subprocess.Popen) -> None:
 
 def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = None,
                  nproc: int = 2, timeout_s: float = 600.0, log: str | None = None,
-                 stream: bool = False, rdzv_id: str | None = None) -> dict:
+                 stream: bool = False, rdzv_id: str | None = None,
+                 script: str = TRAIN) -> dict:
     """Run one training job to completion; returns rank 0's metrics.json (plus launch info).
 
     ``stream``: the children's stderr (rank 0's progress bar) goes to ours; otherwise
-    all output goes to ``log`` (default ``<out>/launch.log``).
+    all output goes to ``log`` (default ``<out>/launch.log``). ``script`` runs instead of
+    ``train.py`` (it takes ``--out`` and writes ``<out>/metrics.json`` on rank 0).
     """
     os.makedirs(out, exist_ok=True)
     metrics = os.path.join(out, "metrics.json")
@@ -106,12 +108,12 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
         os.remove(metrics)
     args = [*train_args, "--out", out]
     if pair is None:
-        jobs = [(loopback_command(args, nproc), {})]
+        jobs = [(loopback_command(args, nproc, script), {})]
     else:
         if nproc < 2 or nproc % 2:
             raise ValueError(f"the two-namespace launch runs nproc / 2 ranks on each of its "
                              f"two nodes: nproc must be even and >= 2, got {nproc}")
-        jobs = two_node_commands(pair, args, rdzv_id, nproc_per_node=nproc // 2)
+        jobs = two_node_commands(pair, args, rdzv_id, nproc_per_node=nproc // 2, script=script)
     log = log or os.path.join(out, "launch.log")
     procs = []
     t0 = time.perf_counter()

@@ -1,0 +1,214 @@
+"""The local step and the step time of our variants over ``none``'s, the variants taking
+turns in one run.
+
+``bench_train.py`` times each variant in its own ~30-60 s run, so a host whose speed
+drifts on that scale moves every step-time ratio between repeats. Here every variant
+trains in the same two processes (``harness/local_step.py``), in blocks of
+``--block-steps`` steps, the order rotated every block; a *turn* is one block of each
+variant, and each ratio is taken within a turn, then reported as the median over the
+turns with their min-max:
+
+- local step x: the median step that sent nothing and applied no round over ``none``'s
+  median step (``bench_train.py``'s "local step / none");
+- step time x: the mean step over ``none``'s mean step, every step of the block counted
+  (rounds launched and applied included: ``bench_train.py``'s "step time x" without its
+  validations);
+- comm wait: the share of the step time spent in the averaging call and gradient sync.
+
+The first ``--skip`` steps of each block are left out (a round of the variant before
+may still be finishing), and the first turn warms up. Profiles as in
+``bench_train.py``: ``loopback``, or two torchrun "nodes" in network namespaces joined at
+``100mbit`` / ``25mbit``.
+
+    python benchmarks/bench_local_step.py          # 100 and 25 Mbit/s, seeds 0 and 1
+    python benchmarks/bench_local_step.py --profiles loopback --blocks 4 --preset tiny
+
+Outputs: ``<out>/local_step_<profile>_seed<S>.json`` (the per-turn ratios), the run
+folders under ``--runs-dir``, and the section "The local step, the variants taking turns
+in one run" of ``benchmarks/RESULTS.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+
+from harness import launch, local_step, netns, report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "harness", "local_step.py")
+VARIANTS = "none,fp16_streaming,int8_streaming,int4_streaming,int4_streaming_interleaved"
+SECTION = "## The local step, the variants taking turns in one run"
+TARGET = 1.05  # local step over none's
+METRICS = ("local_x", "step_x", "comm")
+
+
+def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2) -> dict:
+    """Per variant, one row per timed turn (block >= 1): its median local step and mean
+    step in ms, their ratios to ``none``'s in the same turn, and its comm wait share.
+
+    >>> rec = lambda b, s, n=0: dict(block=b, pos=2, step_s=s, bytes=n, averaged=n > 0,
+    ...                              comm_s=0.0)
+    >>> t = {"none": [rec(1, 0.10)], "x": [rec(1, 0.11), rec(1, 0.13, 8)]}
+    >>> r = turn_ratios(t)["x"][0]
+    >>> round(r["local_x"], 3), round(r["step_x"], 3)
+    (1.1, 1.2)
+    """
+    by_turn: dict[str, dict[int, list[dict]]] = {}
+    for name, recs in turns.items():
+        for r in recs:
+            if r["block"] >= 1 and r["pos"] >= skip:
+                by_turn.setdefault(name, {}).setdefault(r["block"], []).append(r)
+    base = by_turn[none]
+    out = {}
+    for name, blocks in by_turn.items():
+        rows = []
+        for block, recs in sorted(blocks.items()):
+            local = [r["step_s"] for r in recs if r["bytes"] == 0 and not r["averaged"]]
+            ref = base.get(block)
+            if not ref:
+                continue
+            ref_local = statistics.median(r["step_s"] for r in ref)
+            ref_mean = statistics.fmean(r["step_s"] for r in ref)
+            mean = statistics.fmean(r["step_s"] for r in recs)
+            rows.append(dict(
+                turn=block, mean_ms=mean * 1e3, step_x=mean / ref_mean,
+                local_ms=statistics.median(local) * 1e3 if local else None,
+                local_x=statistics.median(local) / ref_local if local else None,
+                comm=sum(r["comm_s"] for r in recs) / sum(r["step_s"] for r in recs)))
+        out[name] = rows
+    return out
+
+
+def summarize(ratios: dict[str, list[dict]]) -> list[dict]:
+    """One row per variant: each of :data:`METRICS` as the median over the turns, with
+    ``<metric>_range`` (min, max), and ``local_met`` (turns with local step x <= 1.05)."""
+    rows = []
+    for name, turns in ratios.items():
+        row = dict(variant=name, turns=len(turns),
+                   local_ms=_median([t["local_ms"] for t in turns]),
+                   mean_ms=_median([t["mean_ms"] for t in turns]))
+        for key in METRICS:
+            vals = [t[key] for t in turns if t[key] is not None]
+            row[key] = statistics.median(vals) if vals else None
+            row[f"{key}_range"] = (min(vals), max(vals)) if vals else None
+        row["local_met"] = sum(t["local_x"] <= TARGET for t in turns if t["local_x"] is not None)
+        rows.append(row)
+    return rows
+
+
+def _median(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def table(rows: list[dict], none: str = "none") -> list[str]:
+    """The rows as markdown: medians over the turns, min-max in brackets."""
+    def ranged(r, key, spec):
+        if r[key] is None:
+            return "n/a"
+        lo, hi = r[f"{key}_range"]
+        return f"{r[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
+    lines = ["| variant | median local step, ms | local step x `none` | turns <= 1.05x | "
+             "mean step, ms | step time x `none` | comm wait |", "|---" * 7 + "|"]
+    for r in rows:
+        ours = r["variant"] != none
+        lines.append("| " + " | ".join([
+            f"`{r['variant']}`", f"{r['local_ms']:.1f}" if r["local_ms"] else "n/a",
+            ranged(r, "local_x", ".3f") if ours else "1",
+            f"{r['local_met']} of {r['turns']}" if ours else "",
+            f"{r['mean_ms']:.1f}", ranged(r, "step_x", ".3f") if ours else "1",
+            ranged(r, "comm", ".1%")]) + " |")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profiles", default="100mbit,25mbit")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--variants", default=VARIANTS,
+                   help="harness/train.py --hook names, the first the baseline of the ratios")
+    p.add_argument("--blocks", type=int, default=30, help="timed turns")
+    p.add_argument("--block-steps", type=int, default=local_step.BLOCK_STEPS)
+    p.add_argument("--skip", type=int, default=2, help="steps left out at each block's start")
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--period", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-args", default="", help="more harness/train.py flags for every variant")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "local_step"))
+    p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "local_step"))
+    p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
+    a = p.parse_args(argv)
+    names = a.variants.split(",")
+    why = [w for w in map(local_step.refused, names) if w]
+    if why:
+        p.error("; ".join(why))
+    if a.skip >= a.block_steps:
+        p.error(f"--skip {a.skip} leaves no step of a --block-steps {a.block_steps} block")
+    ok, reason = netns.netns_available()
+    profiles = [netns.PROFILES[n] for n in a.profiles.split(",")]
+    if any(prof.shaped for prof in profiles):
+        if not ok:
+            p.error(f"--profiles {a.profiles}: {reason}; use --profiles loopback")
+        netns.cleanup_stale()
+    os.makedirs(a.out, exist_ok=True)
+    t_start, load0 = time.time(), os.getloadavg()[0]
+    cmd = "python benchmarks/bench_local_step.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:])
+    md = [f"Command: `{cmd.strip()}` (torch {torch.__version__}, {os.cpu_count()} cores, "
+          f"load average {load0:.1f} at start).", ""]
+    for prof in profiles:
+        for seed in [int(s) for s in a.seeds.split(",")]:
+            run = _run(a, prof, seed)
+            ratios = turn_ratios(run["turns"], none=names[0], skip=a.skip)
+            rows = summarize(ratios)
+            cfg = run["config"]
+            with open(os.path.join(a.out, f"local_step_{prof.name}_seed{seed}.json"), "w") as f:
+                json.dump(dict(command=cmd, network=run["launch"]["network"], config=cfg,
+                               rows=rows, turns=ratios), f, indent=1)
+            md += [f"#### {prof.name}, seed {seed}: {run['launch']['network']}", "",
+                   f"{len(names)} variants in {cfg['blocks']} timed turns of "
+                   f"{cfg['block_steps']} steps each (the first {a.skip} of each block left "
+                   f"out), {cfg['elapsed_s'] / 60:.1f} min; medians over the turns, min-max "
+                   "in brackets.", "", *table(rows, names[0]), ""]
+            print("\n".join(md[-len(rows) - 3:]), flush=True)
+    md.append(f"({(time.time() - t_start) / 60:.1f} min in all; load average "
+              f"{os.getloadavg()[0]:.1f} at the end.)")
+    with open(os.path.join(a.out, "section.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    report.write_section(a.results_md, _intro() + "\n\n" + "\n".join(md), title=SECTION)
+    return 0
+
+
+def _intro() -> str:
+    return ("Every variant trains in the same two processes, in blocks of steps, the order "
+            "rotated every block; a turn is one block of each, and each ratio is taken within "
+            "a turn (`benchmarks/bench_local_step.py`, whose docstring defines the columns). "
+            "The host's drift reaches every variant alike, which one run per variant cannot "
+            "promise.")
+
+
+def _run(a, prof, seed: int) -> dict:
+    args = ["--variants", a.variants, "--blocks", str(a.blocks), "--block-steps",
+            str(a.block_steps), "--preset", a.preset, "--period", str(a.period), "--lr",
+            str(a.lr), "--seed", str(seed), "--progress", "off", *shlex.split(a.train_args)]
+    out = os.path.join(a.runs_dir, f"{prof.name}_seed{seed}")
+    t0 = time.time()
+    if prof.shaped:
+        with netns.NetnsPair(prof) as pair:
+            run = launch.run_training(args, out, pair=pair, timeout_s=a.timeout, script=SCRIPT)
+    else:
+        run = launch.run_training(args, out, timeout_s=a.timeout, script=SCRIPT)
+    print(f"{prof.name} seed {seed}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    return run
+
+
+if __name__ == "__main__":
+    sys.exit(main())

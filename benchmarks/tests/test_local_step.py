@@ -1,0 +1,126 @@
+"""The variants taking turns in one run (``harness/local_step.py``, ``bench_local_step.py``):
+each computes what its own ``train.py`` run computes, and the ratios are taken per turn."""
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import json
+import os
+
+import pytest
+
+from harness import launch, local_step
+
+COMMON = ["--preset", "tiny", "--lr", "3e-3", "--period", "4", "--corpus-bytes", "400000",
+          "--seed", "1", "--timeout", "60"]
+BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _no_extension_build(monkeypatch):
+    monkeypatch.setenv("DDP_AVG_HOOKS_DISABLE_EXT", "1")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_local_step", os.path.join(BENCHMARKS, "bench_local_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_variant_computes_what_its_own_run_computes(tmp_path):
+    # blocking rounds, and overlapped ones landing at a fixed step: every loss is the one
+    # of the variant's own train.py run, though three variants share the processes
+    names = ["none", "allreduce", "int4_streaming_interleaved_next_step"]
+    turns = launch.run_training(
+        ["--variants", ",".join(names), "--blocks", "2", "--block-steps", "8", *COMMON],
+        str(tmp_path / "turns"), script=local_step.__file__, timeout_s=180)["turns"]
+    assert list(turns) == names
+    for name in names:
+        assert [(r["block"], r["pos"]) for r in turns[name]] == \
+            [(b, p) for b in range(3) for p in range(8)]
+    for name in names[1:]:
+        alone = launch.run_training(
+            ["--hook", name, "--steps", "24", "--eval-every", "0", "--progress", "off", *COMMON],
+            str(tmp_path / name), timeout_s=180)
+        assert [r["loss"] for r in turns[name]] == [r["loss"] for r in alone["steps"]], name
+        assert [r["bytes"] for r in turns[name]] == [r["bytes"] for r in alone["steps"]], name
+    assert all(r["bytes"] == 0 and not r["averaged"] for r in turns["none"])
+
+
+def test_turn_order_rotates_by_one_per_block():
+    assert [local_step.turn_order(["a", "b", "c"], k) for k in range(4)] == \
+        [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("variants, says", [
+    ("none,torchft_diloco", "peer libraries"),
+    ("none,fsdp_int8", "FSDP2"),
+    ("none,no_such_hook", "unknown variant 'no_such_hook'"),
+    ("none,int4_streaming,none", "appears twice"),
+])
+def test_variants_that_cannot_take_turns_are_refused(variants, says, capsys):
+    with pytest.raises(SystemExit):
+        local_step.parse_args(["--variants", variants])
+    assert says in capsys.readouterr().err
+
+
+def _rec(block, pos, step_s, nbytes=0, comm_s=0.0):
+    return dict(block=block, pos=pos, step_s=step_s, bytes=nbytes, averaged=nbytes > 0,
+                comm_s=comm_s)
+
+
+def test_ratios_are_taken_within_a_turn_and_leave_out_the_warmup(bench):
+    # turn 1: none 10 ms; x's local steps 11 and 12 ms, one round step 20 ms (comm 4 ms).
+    # turn 2: the host twice as slow for both. Block 0 and each block's first step
+    # (skip=1) must not count, whatever they hold.
+    turns = {
+        "none": [_rec(0, 1, 1.0), _rec(1, 0, 9.0), _rec(1, 1, 0.010), _rec(1, 2, 0.010),
+                 _rec(1, 3, 0.010), _rec(2, 0, 9.0), _rec(2, 1, 0.020), _rec(2, 2, 0.020),
+                 _rec(2, 3, 0.020)],
+        "x": [_rec(0, 1, 5.0), _rec(1, 0, 9.0), _rec(1, 1, 0.011), _rec(1, 2, 0.012),
+              _rec(1, 3, 0.020, nbytes=8, comm_s=0.004), _rec(2, 0, 9.0), _rec(2, 1, 0.022),
+              _rec(2, 2, 0.024), _rec(2, 3, 0.040, nbytes=8, comm_s=0.008)],
+    }
+    ratios = bench.turn_ratios(turns, skip=1)
+    assert [t["turn"] for t in ratios["x"]] == [1, 2]
+    for t in ratios["x"]:
+        assert t["local_x"] == pytest.approx(1.15)       # median of 11, 12 over 10
+        assert t["step_x"] == pytest.approx(43 / 30)     # mean of 11, 12, 20 over 10
+        assert t["comm"] == pytest.approx(4 / 43)
+    row = {r["variant"]: r for r in bench.summarize(ratios)}["x"]
+    assert row["local_x"] == pytest.approx(1.15) and row["local_met"] == 0
+    assert row["local_ms"] == pytest.approx((11.5 + 23) / 2)
+    assert "1.150 (1.150–1.150)" in "\n".join(bench.table(list(
+        {r["variant"]: r for r in bench.summarize(ratios)}.values())))
+
+
+def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
+    assert bench.main(["--profiles", "loopback", "--seeds", "0", "--blocks", "2",
+                       "--block-steps", "4", "--skip", "1", "--preset", "tiny",
+                       "--variants", "none,int4_streaming", "--train-args",
+                       "--corpus-bytes 400000 --timeout 60", "--out", str(tmp_path / "res"),
+                       "--runs-dir", str(tmp_path / "runs"), "--results-md", str(md)]) == 0
+    saved = json.loads((tmp_path / "res" / "local_step_loopback_seed0.json").read_text())
+    assert [r["variant"] for r in saved["rows"]] == ["none", "int4_streaming"]
+    assert [t["turn"] for t in saved["turns"]["int4_streaming"]] == [1, 2]
+    text = md.read_text()
+    assert "## Another section\n\nkept" in text and bench.SECTION in text
+    assert "| `int4_streaming` |" in text
+
+
+def test_bench_refuses_what_it_cannot_measure(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "none,accelerate_localsgd", "--profiles", "loopback"])
+    assert "peer libraries" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--profiles", "loopback", "--skip", "16"])
+    assert "--skip 16" in capsys.readouterr().err
+
+
+def test_docstring_examples(bench):
+    assert doctest.testmod(bench).failed == 0
