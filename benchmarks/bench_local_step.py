@@ -16,14 +16,17 @@ turns with their min-max:
 - comm wait: the share of the step time spent in the averaging call and gradient sync.
 
 The first ``--skip`` steps of each block are left out (a round of the variant before
-may still be finishing), and the first turn warms up. Profiles as in
+may still be finishing), and the first turn warms up. ``--runs`` measures every profile
+and seed that many times, one after the other, and says how far the medians moved
+between the runs. Profiles as in
 ``bench_train.py``: ``loopback``, or two torchrun "nodes" in network namespaces joined at
 ``100mbit`` / ``25mbit``.
 
     python benchmarks/bench_local_step.py          # 100 and 25 Mbit/s, seeds 0 and 1
     python benchmarks/bench_local_step.py --profiles loopback --blocks 4 --preset tiny
 
-Outputs: ``<out>/local_step_<profile>_seed<S>.json`` (the per-turn ratios), the run
+Outputs: ``<out>/local_step_<profile>_seed<S>.json`` (each run's rows and per-turn
+ratios), the run
 folders under ``--runs-dir``, and the section "The local step, the variants taking turns
 in one run" of ``benchmarks/RESULTS.md``.
 """
@@ -108,24 +111,45 @@ def _median(vals):
     return statistics.median(vals) if vals else None
 
 
-def table(rows: list[dict], none: str = "none") -> list[str]:
-    """The rows as markdown: medians over the turns, min-max in brackets."""
+def table(runs: list[list[dict]], none: str = "none") -> list[str]:
+    """The rows of each run as markdown, variant by variant: medians over the turns,
+    min-max in brackets; a column "run" where there is more than one."""
     def ranged(r, key, spec):
         if r[key] is None:
             return "n/a"
         lo, hi = r[f"{key}_range"]
         return f"{r[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
-    lines = ["| variant | median local step, ms | local step x `none` | turns <= 1.05x | "
-             "mean step, ms | step time x `none` | comm wait |", "|---" * 7 + "|"]
-    for r in rows:
-        ours = r["variant"] != none
-        lines.append("| " + " | ".join([
-            f"`{r['variant']}`", f"{r['local_ms']:.1f}" if r["local_ms"] else "n/a",
-            ranged(r, "local_x", ".3f") if ours else "1",
-            f"{r['local_met']} of {r['turns']}" if ours else "",
-            f"{r['mean_ms']:.1f}", ranged(r, "step_x", ".3f") if ours else "1",
-            ranged(r, "comm", ".1%")]) + " |")
+    many = len(runs) > 1
+    lines = ["| variant | " + ("run | " if many else "") + "median local step, ms | "
+             "local step x `none` | turns <= 1.05x | mean step, ms | step time x `none` | "
+             "comm wait |", "|---" * (7 + many) + "|"]
+    for i, name in enumerate(r["variant"] for r in runs[0]):
+        for k, rows in enumerate(runs):
+            r, ours = rows[i], name != none
+            lines.append("| " + " | ".join([
+                f"`{name}`", *([str(k + 1)] if many else []),
+                f"{r['local_ms']:.1f}" if r["local_ms"] else "n/a",
+                ranged(r, "local_x", ".3f") if ours else "1",
+                f"{r['local_met']} of {r['turns']}" if ours else "",
+                f"{r['mean_ms']:.1f}", ranged(r, "step_x", ".3f") if ours else "1",
+                ranged(r, "comm", ".1%")]) + " |")
     return lines
+
+
+def between_runs(runs: list[list[dict]], none: str = "none") -> dict[str, float]:
+    """Per metric, the largest move of a variant's median from one run to another.
+
+    >>> rows = lambda x: [dict(variant="none", local_x=None, step_x=None, comm=0.0),
+    ...                   dict(variant="a", local_x=x, step_x=1.0, comm=0.01)]
+    >>> between_runs([rows(1.02), rows(1.05)])["local_x"]
+    0.03
+    """
+    out = {}
+    for key in METRICS:
+        moves = [max(v) - min(v) for i, r in enumerate(runs[0]) if r["variant"] != none
+                 for v in [[rows[i][key] for rows in runs if rows[i][key] is not None]] if v]
+        out[key] = round(max(moves), 6) if moves else 0.0
+    return out
 
 
 def main(argv=None) -> int:
@@ -137,6 +161,9 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int, default=30, help="timed turns")
     p.add_argument("--block-steps", type=int, default=local_step.BLOCK_STEPS)
     p.add_argument("--skip", type=int, default=2, help="steps left out at each block's start")
+    p.add_argument("--runs", type=int, default=2,
+                   help="runs of every profile and seed, one after the other: how far the "
+                        "medians move between runs")
     p.add_argument("--preset", default="bench")
     p.add_argument("--period", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -150,6 +177,8 @@ def main(argv=None) -> int:
     why = [w for w in map(local_step.refused, names) if w]
     if why:
         p.error("; ".join(why))
+    if a.runs < 1:
+        p.error(f"--runs {a.runs}: at least 1")
     if a.skip >= a.block_steps:
         p.error(f"--skip {a.skip} leaves no step of a --block-steps {a.block_steps} block")
     ok, reason = netns.netns_available()
@@ -164,21 +193,31 @@ def main(argv=None) -> int:
         argv if argv is not None else sys.argv[1:])
     md = [f"Command: `{cmd.strip()}` (torch {torch.__version__}, {os.cpu_count()} cores, "
           f"load average {load0:.1f} at start).", ""]
-    for prof in profiles:
-        for seed in [int(s) for s in a.seeds.split(",")]:
-            run = _run(a, prof, seed)
+    keys = [(prof, int(seed)) for prof in profiles for seed in a.seeds.split(",")]
+    done: dict[tuple, list[dict]] = {k: [] for k in keys}
+    for n in range(a.runs):  # run 2 of every profile and seed after run 1 of all of them
+        for prof, seed in keys:
+            run = _run(a, prof, seed, n)
             ratios = turn_ratios(run["turns"], none=names[0], skip=a.skip)
-            rows = summarize(ratios)
-            cfg = run["config"]
+            done[(prof, seed)].append(dict(network=run["launch"]["network"],
+                                           config=run["config"], rows=summarize(ratios),
+                                           turns=ratios))
+            print("\n".join(table([done[(prof, seed)][-1]["rows"]], names[0])), flush=True)
             with open(os.path.join(a.out, f"local_step_{prof.name}_seed{seed}.json"), "w") as f:
-                json.dump(dict(command=cmd, network=run["launch"]["network"], config=cfg,
-                               rows=rows, turns=ratios), f, indent=1)
-            md += [f"#### {prof.name}, seed {seed}: {run['launch']['network']}", "",
-                   f"{len(names)} variants in {cfg['blocks']} timed turns of "
-                   f"{cfg['block_steps']} steps each (the first {a.skip} of each block left "
-                   f"out), {cfg['elapsed_s'] / 60:.1f} min; medians over the turns, min-max "
-                   "in brackets.", "", *table(rows, names[0]), ""]
-            print("\n".join(md[-len(rows) - 3:]), flush=True)
+                json.dump(dict(command=cmd, runs=done[(prof, seed)]), f, indent=1)
+    for (prof, seed), runs in done.items():
+        cfg, rows = runs[0]["config"], [r["rows"] for r in runs]
+        minutes = ", ".join(f"{r['config']['elapsed_s'] / 60:.1f}" for r in runs)
+        md += [f"#### {prof.name}, seed {seed}: {runs[0]['network']}", "",
+               f"{len(names)} variants in {cfg['blocks']} timed turns of {cfg['block_steps']} "
+               f"steps each (the first {a.skip} of each block left out), {len(runs)} "
+               f"run{'s' if len(runs) > 1 else ''} ({minutes} min); medians over the turns, "
+               "min-max in brackets.", "", *table(rows, names[0]), ""]
+        if len(runs) > 1:
+            moved = between_runs(rows, names[0])
+            md += [f"Between the runs, a variant's median moved by at most "
+                   f"{moved['local_x']:.3f} (local step x), {moved['step_x']:.3f} (step time "
+                   f"x) and {moved['comm']:.1%} (comm wait).", ""]
     md.append(f"({(time.time() - t_start) / 60:.1f} min in all; load average "
               f"{os.getloadavg()[0]:.1f} at the end.)")
     with open(os.path.join(a.out, "section.md"), "w") as f:
@@ -195,18 +234,19 @@ def _intro() -> str:
             "promise.")
 
 
-def _run(a, prof, seed: int) -> dict:
+def _run(a, prof, seed: int, n: int) -> dict:
     args = ["--variants", a.variants, "--blocks", str(a.blocks), "--block-steps",
             str(a.block_steps), "--preset", a.preset, "--period", str(a.period), "--lr",
             str(a.lr), "--seed", str(seed), "--progress", "off", *shlex.split(a.train_args)]
-    out = os.path.join(a.runs_dir, f"{prof.name}_seed{seed}")
+    out = os.path.join(a.runs_dir, f"{prof.name}_seed{seed}_run{n + 1}")
     t0 = time.time()
     if prof.shaped:
         with netns.NetnsPair(prof) as pair:
             run = launch.run_training(args, out, pair=pair, timeout_s=a.timeout, script=SCRIPT)
     else:
         run = launch.run_training(args, out, timeout_s=a.timeout, script=SCRIPT)
-    print(f"{prof.name} seed {seed}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(f"{prof.name} seed {seed}, run {n + 1}: {time.time() - t0:.0f} s", file=sys.stderr,
+          flush=True)
     return run
 
 

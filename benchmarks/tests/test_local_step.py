@@ -90,27 +90,34 @@ def test_ratios_are_taken_within_a_turn_and_leave_out_the_warmup(bench):
         assert t["local_x"] == pytest.approx(1.15)       # median of 11, 12 over 10
         assert t["step_x"] == pytest.approx(43 / 30)     # mean of 11, 12, 20 over 10
         assert t["comm"] == pytest.approx(4 / 43)
-    row = {r["variant"]: r for r in bench.summarize(ratios)}["x"]
+    rows = bench.summarize(ratios)
+    row = {r["variant"]: r for r in rows}["x"]
     assert row["local_x"] == pytest.approx(1.15) and row["local_met"] == 0
     assert row["local_ms"] == pytest.approx((11.5 + 23) / 2)
-    assert "1.150 (1.150–1.150)" in "\n".join(bench.table(list(
-        {r["variant"]: r for r in bench.summarize(ratios)}.values())))
+    assert "| `x` | 17.2 | 1.150 (1.150–1.150) | 0 of 2 |" in "\n".join(bench.table([rows]))
+    # a second run, 0.03 slower in local step: the table gets a run column, and the move
+    # between the runs is the largest of any variant's
+    later = [dict(r, local_x=r["local_x"] + 0.03) if r["local_x"] else r for r in rows]
+    assert "| `x` | 2 | " in "\n".join(bench.table([rows, later]))
+    assert bench.between_runs([rows, later])["local_x"] == pytest.approx(0.03)
 
 
 def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
     assert bench.main(["--profiles", "loopback", "--seeds", "0", "--blocks", "2",
-                       "--block-steps", "4", "--skip", "1", "--preset", "tiny",
+                       "--block-steps", "4", "--skip", "1", "--preset", "tiny", "--runs", "2",
                        "--variants", "none,int4_streaming", "--train-args",
                        "--corpus-bytes 400000 --timeout 60", "--out", str(tmp_path / "res"),
                        "--runs-dir", str(tmp_path / "runs"), "--results-md", str(md)]) == 0
     saved = json.loads((tmp_path / "res" / "local_step_loopback_seed0.json").read_text())
-    assert [r["variant"] for r in saved["rows"]] == ["none", "int4_streaming"]
-    assert [t["turn"] for t in saved["turns"]["int4_streaming"]] == [1, 2]
+    assert len(saved["runs"]) == 2
+    for run in saved["runs"]:
+        assert [r["variant"] for r in run["rows"]] == ["none", "int4_streaming"]
+        assert [t["turn"] for t in run["turns"]["int4_streaming"]] == [1, 2]
     text = md.read_text()
     assert "## Another section\n\nkept" in text and bench.SECTION in text
-    assert "| `int4_streaming` |" in text
+    assert "| `int4_streaming` | 2 |" in text and "Between the runs" in text
 
 
 def test_bench_refuses_what_it_cannot_measure(bench, capsys):
