@@ -18,15 +18,18 @@ turns with their min-max:
 The first ``--skip`` steps of each block are left out (a round of the variant before
 may still be finishing), and the first turn warms up. ``--runs`` measures every profile
 and seed that many times, one after the other, and says how far the medians moved
-between the runs. Profiles as in
+between the runs. With ``--steps-from``, each part also composes the x of limit: the
+steps x to DDP's loss of a ``bench_train.py`` run of the same link and seed (the median
+over its repeats) times each run's step time x. Profiles as in
 ``bench_train.py``: ``loopback``, or two torchrun "nodes" in network namespaces joined at
 ``100mbit`` / ``25mbit``.
 
     python benchmarks/bench_local_step.py          # 100 and 25 Mbit/s, seeds 0 and 1
     python benchmarks/bench_local_step.py --profiles loopback --blocks 4 --preset tiny
+    python benchmarks/bench_local_step.py --replot # the section again, from the JSON
 
 Outputs: ``<out>/local_step_<profile>_seed<S>.json`` (each run's rows and per-turn
-ratios), the run
+ratios), ``<out>/meta.json`` (the command, the load, the minutes), the run
 folders under ``--runs-dir``, and the section "The local step, the variants taking turns
 in one run" of ``benchmarks/RESULTS.md``.
 """
@@ -49,6 +52,8 @@ SCRIPT = os.path.join(HERE, "harness", "local_step.py")
 VARIANTS = "none,fp16_streaming,int8_streaming,int4_streaming,int4_streaming_interleaved"
 SECTION = "## The local step, the variants taking turns in one run"
 TARGET = 1.05  # local step over none's
+STEPS_FROM = ("100mbit=results/slow_link_best_seed{seed},"
+              "25mbit=results/slow_link_25mbit_seed{seed}")
 METRICS = ("local_x", "step_x", "comm")
 
 
@@ -168,10 +173,15 @@ def main(argv=None) -> int:
     p.add_argument("--period", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-args", default="", help="more harness/train.py flags for every variant")
+    p.add_argument("--steps-from", default=STEPS_FROM, metavar="PROFILE=DIR,...",
+                   help="bench_train.py results (DIR/train_summary.json, '{seed}' replaced) "
+                        "whose steps x, times each run's step time x, give the x of limit")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=os.path.join(HERE, "results", "local_step"))
     p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "local_step"))
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--replot", action="store_true",
+                   help="rebuild the section from the JSON in --out; no training")
     a = p.parse_args(argv)
     names = a.variants.split(",")
     why = [w for w in map(local_step.refused, names) if w]
@@ -181,19 +191,39 @@ def main(argv=None) -> int:
         p.error(f"--runs {a.runs}: at least 1")
     if a.skip >= a.block_steps:
         p.error(f"--skip {a.skip} leaves no step of a --block-steps {a.block_steps} block")
-    ok, reason = netns.netns_available()
+    try:
+        steps_from = _steps_from(a.steps_from)
+    except ValueError as exc:
+        p.error(str(exc))
     profiles = [netns.PROFILES[n] for n in a.profiles.split(",")]
-    if any(prof.shaped for prof in profiles):
-        if not ok:
-            p.error(f"--profiles {a.profiles}: {reason}; use --profiles loopback")
-        netns.cleanup_stale()
+    keys = [(prof, int(seed)) for prof in profiles for seed in a.seeds.split(",")]
+    if a.replot:
+        done, meta = _load(a.out, keys)
+    else:
+        ok, reason = netns.netns_available()
+        if any(prof.shaped for prof in profiles):
+            if not ok:
+                p.error(f"--profiles {a.profiles}: {reason}; use --profiles loopback")
+            netns.cleanup_stale()
+        done, meta = _measure(a, keys, names, argv)
+    md = [f"Command: `{meta['command']}` (torch {meta['torch']}, {meta['cores']} cores, "
+          f"load average {meta['load_start']:.1f} at start, {meta['load_end']:.1f} at the "
+          f"end; {meta['minutes']:.1f} min in all).", ""]
+    for (prof, seed), runs in done.items():
+        md += _part(prof.name, seed, runs, names[0], a.skip, steps_from.get(prof.name))
+    with open(os.path.join(a.out, "section.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    report.write_section(a.results_md, _intro() + "\n\n" + "\n".join(md), title=SECTION)
+    return 0
+
+
+def _measure(a, keys: list, names: list[str], argv) -> tuple[dict, dict]:
+    """Every profile and seed ``a.runs`` times: the runs' rows and turns, and the meta
+    block of the section (also in ``<out>/meta.json``)."""
     os.makedirs(a.out, exist_ok=True)
     t_start, load0 = time.time(), os.getloadavg()[0]
     cmd = "python benchmarks/bench_local_step.py " + shlex.join(
         argv if argv is not None else sys.argv[1:])
-    md = [f"Command: `{cmd.strip()}` (torch {torch.__version__}, {os.cpu_count()} cores, "
-          f"load average {load0:.1f} at start).", ""]
-    keys = [(prof, int(seed)) for prof in profiles for seed in a.seeds.split(",")]
     done: dict[tuple, list[dict]] = {k: [] for k in keys}
     for n in range(a.runs):  # run 2 of every profile and seed after run 1 of all of them
         for prof, seed in keys:
@@ -205,25 +235,91 @@ def main(argv=None) -> int:
             print("\n".join(table([done[(prof, seed)][-1]["rows"]], names[0])), flush=True)
             with open(os.path.join(a.out, f"local_step_{prof.name}_seed{seed}.json"), "w") as f:
                 json.dump(dict(command=cmd, runs=done[(prof, seed)]), f, indent=1)
-    for (prof, seed), runs in done.items():
-        cfg, rows = runs[0]["config"], [r["rows"] for r in runs]
-        minutes = ", ".join(f"{r['config']['elapsed_s'] / 60:.1f}" for r in runs)
-        md += [f"#### {prof.name}, seed {seed}: {runs[0]['network']}", "",
-               f"{len(names)} variants in {cfg['blocks']} timed turns of {cfg['block_steps']} "
-               f"steps each (the first {a.skip} of each block left out), {len(runs)} "
-               f"run{'s' if len(runs) > 1 else ''} ({minutes} min); medians over the turns, "
-               "min-max in brackets.", "", *table(rows, names[0]), ""]
-        if len(runs) > 1:
-            moved = between_runs(rows, names[0])
-            md += [f"Between the runs, a variant's median moved by at most "
-                   f"{moved['local_x']:.3f} (local step x), {moved['step_x']:.3f} (step time "
-                   f"x) and {moved['comm']:.1%} (comm wait).", ""]
-    md.append(f"({(time.time() - t_start) / 60:.1f} min in all; load average "
-              f"{os.getloadavg()[0]:.1f} at the end.)")
-    with open(os.path.join(a.out, "section.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    report.write_section(a.results_md, _intro() + "\n\n" + "\n".join(md), title=SECTION)
-    return 0
+    meta = dict(command=cmd.strip(), torch=torch.__version__, cores=os.cpu_count(),
+                load_start=load0, load_end=os.getloadavg()[0],
+                minutes=(time.time() - t_start) / 60)
+    with open(os.path.join(a.out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    return done, meta
+
+
+def _load(out: str, keys: list) -> tuple[dict, dict]:
+    """What :func:`_measure` saved in ``out``, for ``keys``."""
+    try:
+        with open(os.path.join(out, "meta.json")) as f:
+            meta = json.load(f)
+        done = {}
+        for prof, seed in keys:
+            with open(os.path.join(out, f"local_step_{prof.name}_seed{seed}.json")) as f:
+                done[(prof, seed)] = json.load(f)["runs"]
+    except FileNotFoundError as exc:
+        raise SystemExit(f"--replot: {exc.filename} is missing; pass as --out the folder of "
+                         "a finished run, with its --profiles and --seeds") from None
+    return done, meta
+
+
+def _part(profile: str, seed: int, runs: list[dict], none: str, skip: int,
+          steps_dir: str | None) -> list[str]:
+    """The section's part for one profile and seed: the runs' table, how far the medians
+    moved between them, and the x of limit composed with ``steps_dir``'s steps x."""
+    cfg, rows = runs[0]["config"], [r["rows"] for r in runs]
+    minutes = ", ".join(f"{r['config']['elapsed_s'] / 60:.1f}" for r in runs)
+    out = [f"#### {profile}, seed {seed}: {runs[0]['network']}", "",
+           f"{len(rows[0])} variants in {cfg['blocks']} timed turns of {cfg['block_steps']} "
+           f"steps each (the first {skip} of each block left out), {len(runs)} "
+           f"run{'s' if len(runs) > 1 else ''} ({minutes} min); medians over the turns, "
+           "min-max in brackets.", "", *table(rows, none), ""]
+    if len(runs) > 1:
+        moved = between_runs(rows, none)
+        out += [f"Between the runs, a variant's median moved by at most "
+                f"{moved['local_x']:.3f} (local step x), {moved['step_x']:.3f} (step time "
+                f"x) and {moved['comm']:.1%} (comm wait).", ""]
+    if steps_dir:
+        out += composed_limit(rows, steps_dir.format(seed=seed), profile, none) + [""]
+    return out
+
+
+def composed_limit(runs: list[list[dict]], steps_dir: str, profile: str,
+                   none: str = "none") -> list[str]:
+    """x of limit = steps x (median over the repeats of ``steps_dir``'s run of
+    ``bench_train.py``) times each run's step time x, for the variants in both."""
+    path = os.path.join(steps_dir, "train_summary.json")
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except FileNotFoundError:
+        return [f"(No x of limit: {path} is missing.)"]
+    steps = {r["variant"]: r.get("steps_x") for r in summary["rows"].get(profile, [])}
+    limit = report.LIMIT_TARGETS.get(profile)
+    goal = f"; target <= {limit}x" if limit else ""
+    cells = []
+    for i, r in enumerate(runs[0]):
+        sx = steps.get(r["variant"])
+        if r["variant"] == none or sx is None:
+            continue
+        composed = [sx * rows[i]["step_x"] for rows in runs]
+        cells.append(f"`{r['variant']}` {sx:.2f} x " + " / ".join(
+            f"{rows[i]['step_x']:.3f}" for rows in runs) + " = " + " / ".join(
+            f"{c:.2f}" for c in composed))
+    rel = os.path.relpath(steps_dir, HERE)
+    return [f"x of limit composed: steps x to DDP's loss (`{rel}`, median over its repeats) "
+            f"times each run's step time x{goal}: " + "; ".join(cells) + "."]
+
+
+def _steps_from(text: str) -> dict[str, str]:
+    """``--steps-from`` as ``{profile: folder}`` (relative to ``benchmarks/``).
+
+    >>> _steps_from("25mbit=results/x_seed{seed}")["25mbit"].endswith("results/x_seed{seed}")
+    True
+    """
+    out = {}
+    for part in filter(None, text.split(",")):
+        prof, sep, folder = part.partition("=")
+        if not sep or prof not in netns.PROFILES or not folder:
+            raise ValueError(f"--steps-from {part!r}: expected PROFILE=DIR with PROFILE one "
+                             f"of {', '.join(sorted(netns.PROFILES))}")
+        out[prof] = os.path.join(HERE, folder)
+    return out
 
 
 def _intro() -> str:

@@ -497,7 +497,6 @@ def _memory(rows: list[dict]) -> list[str]:
 
 
 # the targets of interleaved repeats: our best within this of the no-communication limit
-LIMIT_TARGETS = {"100mbit": 1.15, "25mbit": 1.3}
 
 
 def _met(values, ok) -> tuple[int, int]:
@@ -573,7 +572,7 @@ def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) ->
     def line(what, key, ok, goal):
         return _judged(best, what, key, ok, goal, n)
 
-    limit = LIMIT_TARGETS.get(prof.split("+")[0])
+    limit = report.LIMIT_TARGETS.get(prof.split("+")[0])
     out.append(f"Targets of interleaved repeats ({prof}), for our best configuration "
                f"`{best['variant']}`:")
     if limit:

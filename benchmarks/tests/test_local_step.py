@@ -118,6 +118,26 @@ def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
     text = md.read_text()
     assert "## Another section\n\nkept" in text and bench.SECTION in text
     assert "| `int4_streaming` | 2 |" in text and "Between the runs" in text
+    # --replot rebuilds the same section from the JSON alone
+    md.write_text("# Benchmark results\n")
+    assert bench.main(["--profiles", "loopback", "--seeds", "0", "--skip", "1", "--variants",
+                       "none,int4_streaming", "--out", str(tmp_path / "res"), "--results-md",
+                       str(md), "--replot"]) == 0
+    assert bench.SECTION + text.split(bench.SECTION)[1] in md.read_text()
+
+
+def test_the_limit_is_composed_from_a_bench_train_run(bench, tmp_path):
+    (tmp_path / "seed3").mkdir()
+    (tmp_path / "seed3" / "train_summary.json").write_text(json.dumps({"rows": {"100mbit": [
+        {"variant": "ddp", "steps_x": 1.0}, {"variant": "x", "steps_x": 1.2}]}}))
+    runs = [[dict(variant="none", step_x=None), dict(variant="x", step_x=1.05)],
+            [dict(variant="none", step_x=None), dict(variant="x", step_x=1.0)]]
+    line = bench.composed_limit(runs, str(tmp_path / "seed3"), "100mbit")[0]
+    assert "target <= 1.15x: `x` 1.20 x 1.050 / 1.000 = 1.26 / 1.20." in line
+    assert "is missing" in bench.composed_limit(runs, str(tmp_path / "nope"), "100mbit")[0]
+    assert bench._steps_from("100mbit=results/a{seed}")["100mbit"].endswith("results/a{seed}")
+    with pytest.raises(ValueError, match="PROFILE=DIR"):
+        bench._steps_from("10mbit=results/a")
 
 
 def test_bench_refuses_what_it_cannot_measure(bench, capsys):
@@ -127,6 +147,8 @@ def test_bench_refuses_what_it_cannot_measure(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--profiles", "loopback", "--skip", "16"])
     assert "--skip 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--replot: .*missing"):
+        bench.main(["--profiles", "loopback", "--replot", "--out", "/nonexistent/local_step"])
 
 
 def test_docstring_examples(bench):
