@@ -496,9 +496,6 @@ def _memory(rows: list[dict]) -> list[str]:
             report.markdown_table(rows, report.MEMORY_COLUMNS), ""]
 
 
-# the targets of interleaved repeats: our best within this of the no-communication limit
-
-
 def _met(values, ok) -> tuple[int, int]:
     present = [v for v in values if v is not None]
     return sum(ok(v) for v in present), len(present)
