@@ -195,8 +195,16 @@ def main(argv=None) -> int:
         steps_from = _steps_from(a.steps_from)
     except ValueError as exc:
         p.error(str(exc))
+    unknown = [n for n in a.profiles.split(",") if n not in netns.PROFILES]
+    if unknown:
+        p.error(f"--profiles {a.profiles}: unknown {', '.join(unknown)}; choose from "
+                f"{', '.join(sorted(netns.PROFILES))}")
+    try:
+        seeds = [int(seed) for seed in a.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds {a.seeds}: expected comma-separated integers, e.g. 0,1")
     profiles = [netns.PROFILES[n] for n in a.profiles.split(",")]
-    keys = [(prof, int(seed)) for prof in profiles for seed in a.seeds.split(",")]
+    keys = [(prof, seed) for prof in profiles for seed in seeds]
     if a.replot:
         done, meta = _load(a.out, keys)
     else:

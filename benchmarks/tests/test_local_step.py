@@ -147,6 +147,13 @@ def test_bench_refuses_what_it_cannot_measure(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--profiles", "loopback", "--skip", "16"])
     assert "--skip 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--profiles", "loopback,10mbit"])
+    assert "unknown 10mbit; choose from 100mbit, 1gbit, 25mbit, loopback" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--profiles", "loopback", "--seeds", "0,one"])
+    assert "--seeds 0,one: expected comma-separated integers" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--replot: .*missing"):
         bench.main(["--profiles", "loopback", "--replot", "--out", "/nonexistent/local_step"])
 
