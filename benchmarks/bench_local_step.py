@@ -68,52 +68,52 @@ def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2)
     >>> round(r["local_x"], 3), round(r["step_x"], 3)
     (1.1, 1.2)
     """
-    by_turn: dict[str, dict[int, list[dict]]] = {}
+    per_block: dict[str, dict[int, dict]] = {}
     for name, recs in turns.items():
+        blocks: dict[int, list[dict]] = {}
         for r in recs:
             if r["block"] >= 1 and r["pos"] >= skip:
-                by_turn.setdefault(name, {}).setdefault(r["block"], []).append(r)
-    base = by_turn[none]
+                blocks.setdefault(r["block"], []).append(r)
+        per_block[name] = {block: _block(rs) for block, rs in sorted(blocks.items())}
     out = {}
-    for name, blocks in by_turn.items():
+    for name, blocks in per_block.items():
         rows = []
-        for block, recs in sorted(blocks.items()):
-            local = [r["step_s"] for r in recs if r["bytes"] == 0 and not r["averaged"]]
-            ref = base.get(block)
-            if not ref:
+        for block, b in blocks.items():
+            ref = per_block[none].get(block)
+            if ref is None:
                 continue
-            ref_local = statistics.median(r["step_s"] for r in ref)
-            ref_mean = statistics.fmean(r["step_s"] for r in ref)
-            mean = statistics.fmean(r["step_s"] for r in recs)
-            rows.append(dict(
-                turn=block, mean_ms=mean * 1e3, step_x=mean / ref_mean,
-                local_ms=statistics.median(local) * 1e3 if local else None,
-                local_x=statistics.median(local) / ref_local if local else None,
-                comm=sum(r["comm_s"] for r in recs) / sum(r["step_s"] for r in recs)))
+            local_x = b["local_s"] / ref["local_s"] if b["local_s"] and ref["local_s"] \
+                else None
+            rows.append(dict(turn=block, mean_ms=b["mean_s"] * 1e3,
+                             step_x=b["mean_s"] / ref["mean_s"],
+                             local_ms=b["local_s"] * 1e3 if b["local_s"] else None,
+                             local_x=local_x, comm=b["comm"]))
         out[name] = rows
     return out
 
 
+def _block(recs: list[dict]) -> dict:
+    """One variant's block: its median local step (a step that sent nothing and applied
+    no round; ``None`` without one), its mean step, and its comm wait share."""
+    local = [r["step_s"] for r in recs if r["bytes"] == 0 and not r["averaged"]]
+    total = sum(r["step_s"] for r in recs)
+    return dict(local_s=statistics.median(local) if local else None, mean_s=total / len(recs),
+                comm=sum(r["comm_s"] for r in recs) / total)
+
+
 def summarize(ratios: dict[str, list[dict]]) -> list[dict]:
-    """One row per variant: each of :data:`METRICS` as the median over the turns, with
-    ``<metric>_range`` (min, max), and ``local_met`` (turns with local step x <= 1.05)."""
-    rows = []
-    for name, turns in ratios.items():
-        row = dict(variant=name, turns=len(turns),
-                   local_ms=_median([t["local_ms"] for t in turns]),
-                   mean_ms=_median([t["mean_ms"] for t in turns]))
-        for key in METRICS:
-            vals = [t[key] for t in turns if t[key] is not None]
-            row[key] = statistics.median(vals) if vals else None
-            row[f"{key}_range"] = (min(vals), max(vals)) if vals else None
-        row["local_met"] = sum(t["local_x"] <= TARGET for t in turns if t["local_x"] is not None)
-        rows.append(row)
+    """One row per variant: each of :data:`METRICS` and the step times in ms as the
+    median over the turns (``report.aggregate``, the turns as its repeats), with
+    ``<metric>_range`` (min, max), ``turns``, and ``local_met`` (turns with local step x
+    <= 1.05)."""
+    numbers = sorted({t["turn"] for rows in ratios.values() for t in rows})
+    per_turn = [[dict(t, variant=name) for name, rows in ratios.items() for t in rows
+                 if t["turn"] == k] for k in numbers]
+    rows = report.aggregate(per_turn, keys=(*METRICS, "local_ms", "mean_ms"))
+    for r in rows:
+        r["turns"] = r["repeats"]
+        r["local_met"] = sum(v <= TARGET for v in r["local_x_values"] if v is not None)
     return rows
-
-
-def _median(vals):
-    vals = [v for v in vals if v is not None]
-    return statistics.median(vals) if vals else None
 
 
 def table(runs: list[list[dict]], none: str = "none") -> list[str]:
@@ -126,7 +126,7 @@ def table(runs: list[list[dict]], none: str = "none") -> list[str]:
         return f"{r[key]:{spec}} ({lo:{spec}}–{hi:{spec}})"
     many = len(runs) > 1
     lines = ["| variant | " + ("run | " if many else "") + "median local step, ms | "
-             "local step x `none` | turns <= 1.05x | mean step, ms | step time x `none` | "
+             f"local step x `none` | turns <= {TARGET}x | mean step, ms | step time x `none` | "
              "comm wait |", "|---" * (7 + many) + "|"]
     for i, name in enumerate(r["variant"] for r in runs[0]):
         for k, rows in enumerate(runs):

@@ -94,11 +94,9 @@ class Turn:
         self.args = args = train.parse_args([*rest, "--hook", name])
         torch.manual_seed(args.seed)  # train.py's order: the seed, then the model
         model = train.CharTransformer(args.d_model, args.n_layers, args.n_heads, args.context)
-        self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
+        self.opt, self.sched = train.optimizer_and_schedule(model, args)
         self.variant = train.build_variant(name, model, self.opt, meter, args)
-        self.gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+        self.gen = train.batch_generator(args, rank)
         self.slow = uneven.Slowdown(args, rank)  # no flags: nothing
         self.meter, self.data = meter, train_data
         self.records: list[dict] = []
@@ -147,7 +145,6 @@ def main(argv=None) -> None:
         elapsed = time.perf_counter() - t_start
         for t in turns:
             t.finish()
-        meter.uninstall()
         if rank == 0 and first.out:
             config = dict(vars(first), hook=None, variants=a.variants, blocks=a.blocks,
                           block_steps=a.block_steps, world_size=dist.get_world_size(),

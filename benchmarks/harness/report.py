@@ -196,10 +196,11 @@ RANGED = ("steps", "median_step_ms", "mean_step_ms", "comm_share", "local_overhe
           "final_val_loss", "peak_rss_mb", "held_x")
 
 
-def aggregate(rows_per_repeat: list[list[dict]]) -> list[dict]:
-    """One row per variant over interleaved repeats: each metric of :data:`RANGED` as
-    its median over the repeats that have it, with ``<metric>_range`` = (min, max) and
-    ``<metric>_values`` (one per repeat, ``None`` where missing); ``repeats`` counts them.
+def aggregate(rows_per_repeat: list[list[dict]], keys: tuple = RANGED) -> list[dict]:
+    """One row per variant over interleaved repeats: each metric of ``keys`` (by default
+    :data:`RANGED`) as its median over the repeats that have it, with ``<metric>_range``
+    = (min, max) and ``<metric>_values`` (one per repeat, ``None`` where missing);
+    ``repeats`` counts them.
     Other keys come from the first repeat that has the variant. Variants keep the
     repeats' order; a variant whose run failed in the first repeat keeps its row, in
     its place.
@@ -228,7 +229,7 @@ def aggregate(rows_per_repeat: list[list[dict]]) -> list[dict]:
     for v, rows in by_variant.items():
         first = next(r for r in rows if r is not None)
         row = dict(first, repeats=sum(r is not None for r in rows))
-        for key in RANGED:
+        for key in keys:
             values = [None if r is None else r.get(key) for r in rows]
             present = [x for x in values if x is not None]
             row[key] = statistics.median(present) if present else None

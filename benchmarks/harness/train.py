@@ -741,6 +741,20 @@ def local_param_bytes(model: nn.Module) -> int:
                for p in model.parameters())
 
 
+def optimizer_and_schedule(model: nn.Module, args):
+    """AdamW at ``--lr`` without weight decay, and its linear warm-up over ``--lr-warmup``
+    steps (then constant)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
+    return opt, sched
+
+
+def batch_generator(args, rank: int) -> torch.Generator:
+    """The generator of ``rank``'s training batches: each rank its own data."""
+    return torch.Generator().manual_seed(args.seed * 1000 + rank)
+
+
 def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: float):
     """One step's compute and averaging call, begun at ``t0``: (loss, seconds waiting on
     gradient sync, whether it averaged, seconds of the averaging call, the step's parts).
@@ -793,15 +807,13 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
         model = shards.shard(model)
         model.bench_shards = shards
         meter.skip_groups.append(shards.group)  # FSDP's own collectives stay in the group
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(args.lr_warmup, 1)))
+    opt, sched = optimizer_and_schedule(model, args)
     variant = build_variant(args.hook, model, opt, meter, args)
     ops_backend = None
     if spec.ours:  # load (or build: ~1 min) the extension now, not in round 0
         from ddp_avg_hooks import ops
         ops_backend = ops.backend()
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank: its own data
+    gen = batch_generator(args, rank)
     if spec.fsdp:
         consensus_eval = ShardedConsensusEval(model, shadow, consensus=args.hook != "fsdp_none")
     else:
