@@ -46,15 +46,27 @@ def train_all(configs: dict[str, list[str]], seeds: list[int], runs_dir: str, *,
 
 
 def table(runs: dict[int, dict[str, dict]], names: list[str], *, budget: int,
-          bytes_base: str | None = None) -> list[str]:
+          bytes_base: str | None = None, within: float | None = None) -> list[str]:
     """Markdown rows: each of ``names``' steps to DDP's loss at ``budget`` steps over
-    ``budget``, per seed and their mean; with ``bytes_base``, the median over seeds of the
-    bytes sent to that loss over ``bytes_base``'s."""
+    ``budget``, per seed and their mean; with ``within``, also their median and on how
+    many seeds the ratio is at most ``within``; with ``bytes_base``, the median over seeds
+    of the bytes sent to that loss over ``bytes_base``'s.
+
+    >>> run = lambda *vs: {"evals": [{"step": 20 * (k + 1), "val_loss": v, "bytes": 1}
+    ...                              for k, v in enumerate(vs)]}
+    >>> runs = {s: {"ddp": run(3.0, 2.0), "a": run(3.0, 2.0 + s / 10, 1.8)} for s in (0, 1, 2)}
+    >>> print("\\n".join(table(runs, ["a"], budget=40, within=1.1)))
+    | configuration | seed 0 | seed 1 | seed 2 | mean | median | within 1.10x |
+    |---|---|---|---|---|---|---|
+    | `a` | 1.000 | 1.167 | 1.250 | 1.139 | 1.167 | 1 of 3 |
+    <BLANKLINE>
+    """
     seeds = sorted(runs)
     head = " | ".join(f"seed {s}" for s in seeds)
+    spread = f" median | within {within:.2f}x |" if within else ""
     extra = " bytes x |" if bytes_base else ""
-    lines = [f"| configuration | {head} | mean |{extra}",
-             "|" + "---|" * (len(seeds) + 2 + bool(bytes_base))]
+    lines = [f"| configuration | {head} | mean |{spread}{extra}",
+             "|" + "---|" * (len(seeds) + 2 + 2 * bool(within) + bool(bytes_base))]
     for name in names:
         cells, ratios, sent = [], [], []
         for s in seeds:
@@ -67,8 +79,12 @@ def table(runs: dict[int, dict[str, dict]], names: list[str], *, budget: int,
                 b, base = (report.bytes_to_target(runs[s][v], target) for v in (name, bytes_base))
                 if b and base:
                     sent.append(b / base)
-        mean = f"{statistics.mean(ratios):.3f}" if len(ratios) == len(seeds) else "-"
+        whole = len(ratios) == len(seeds)
+        mean = f"{statistics.mean(ratios):.3f}" if whole else "-"
         row = f"| `{name}` | " + " | ".join(cells) + f" | {mean} |"
+        if within:
+            median = f"{statistics.median(ratios):.3f}" if whole else "-"
+            row += f" {median} | {sum(r <= within for r in ratios)} of {len(seeds)} |"
         if bytes_base:
             row += f" {statistics.median(sent):.1f} |" if sent else " - |"
         lines.append(row)
@@ -128,15 +144,16 @@ def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
 
 def main(doc: str, script: str, *, section: str, json_name: str,
          configs: dict[str, list[str]], describe: str, bytes_base: str,
-         loss_base: str | None = None, lr: float = 1e-3, lr_warmup: int = 20,
-         steps: int = 300, budget: int = 200, argv=None) -> int:
+         loss_base: str | None = None, within: float | None = None, lr: float = 1e-3,
+         lr_warmup: int = 20, steps: int = 300, budget: int = 200,
+         seeds: str = "0,1,2,3,4", argv=None) -> int:
     """A study's command line: train ``configs`` (each at ``--lr lr``, warmed up over
-    ``lr_warmup`` steps) over ``--seeds``,
+    ``lr_warmup`` steps) over ``--seeds`` (default ``seeds``),
     then write the section ``section`` of RESULTS.md (the setting, ``describe``, and the
     table of every configuration but ``"ddp"``; with ``loss_base``, also every
-    configuration's loss after ``budget`` steps against ``loss_base``'s) and
-    ``results/json_name``."""
-    a = launch.study_args(doc, "0,1,2,3,4", os.path.splitext(json_name)[0], argv)
+    configuration's loss after ``budget`` steps against ``loss_base``'s; with ``within``,
+    the median ratio and the seeds within it) and ``results/json_name``."""
+    a = launch.study_args(doc, seeds, os.path.splitext(json_name)[0], argv)
     t0 = time.time()
     runs = train_all({name: ["--lr", str(lr), "--lr-warmup", str(lr_warmup), *flags]
                       for name, flags in configs.items()},
@@ -148,7 +165,8 @@ def main(doc: str, script: str, *, section: str, json_name: str,
           f"{lr_warmup}-step warm-up), {steps} steps, validation every 20 steps. {describe}", "",
           f"Steps to DDP's loss at {budget} steps, over DDP's {budget} (interpolated); bytes "
           f"sent by rank 0 to that loss over `{bytes_base}`'s:", "",
-          *table(runs, [n for n in configs if n != "ddp"], budget=budget, bytes_base=bytes_base)]
+          *table(runs, [n for n in configs if n != "ddp"], budget=budget,
+                 bytes_base=bytes_base, within=within)]
     if loss_base:
         md += [f"Validation loss after {budget} steps (DDP's budget), and its gap to "
                f"`{loss_base}`'s on the same seed; bytes sent by rank 0 in those steps over "

@@ -118,3 +118,41 @@ def test_the_fragment_study_runs_each_overlapped_hook_in_both_layouts():
     assert sorted(layouts["contiguous"]) == ["int4_streaming"] * 2 + ["int8_streaming"]
     assert sorted(layouts["interleaved"]) == ["int4_streaming_interleaved"] * 2 + [
         "int8_streaming_interleaved"]
+
+
+def test_the_seed_study_trains_ten_seeds_and_counts_those_within_the_target(
+        monkeypatch, tmp_path):
+    import bench_seed_steps
+    from harness import train
+
+    trained = {}
+
+    def train_all(configs, seeds, runs_dir, *, steps, budget, timeout_s):
+        trained.update(configs=configs, seeds=seeds)
+        # DDP reaches 2.0 at step 200; exact averaging at 220 on every seed; the overlapped
+        # configuration at 200 on even seeds and halfway between 220 (2.1) and 240 (1.9)
+        # on odd ones: 230 steps, 1.15x
+        def curve(name, s):
+            if name == "ddp":
+                return _run(*[3.0] * 9, 2.0)
+            if name == "allreduce" or s % 2:
+                return _run(*[3.0] * 9, 2.2, 2.1 if s % 2 and name != "allreduce" else 2.0,
+                            1.9)
+            return _run(*[3.0] * 9, 2.0, 1.9)
+        return {s: {n: curve(n, s) for n in configs} for s in seeds}
+
+    results = _isolate(monkeypatch, tmp_path, train_all)
+    assert bench_seed_steps.main(["--results-md", str(results)]) == 0
+
+    assert trained["seeds"] == list(range(10))
+    parsed = {n: train.parse_args(flags) for n, flags in trained["configs"].items()}
+    assert parsed["allreduce"].period == parsed["int4_streaming_interleaved_next_step"].period == 8
+    assert parsed["int4_streaming_interleaved_next_step"].hook == \
+        "int4_streaming_interleaved_next_step"
+    section = results.read_text()
+    section = section[section.index("## Steps to the target over 10 seeds"):]
+    assert "| mean | median | within 1.10x | bytes x |" in section
+    assert "| `allreduce` | " + " | ".join(["1.100"] * 10) + " | 1.100 | 1.100 | 10 of 10 |" \
+        in section
+    assert "| `int4_streaming_interleaved_next_step` | " + " | ".join(
+        ["1.000", "1.150"] * 5) + " | 1.075 | 1.075 | 5 of 10 |" in section
