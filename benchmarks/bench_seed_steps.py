@@ -7,8 +7,9 @@ training, once per seed over 10 seeds on loopback (``harness/steps_study.py``), 
 reports each seed's steps to DDP's loss over DDP's, their mean and median and on how many
 seeds the ratio is within the 1.10x target. The overlapped configuration applies every
 round at the step after its launch (``overlap_steps=1``), so that each of its figures
-repeats exactly, as the blocking rounds' do; on loopback its rounds complete within that
-step, where the default rule would apply them too.
+repeats exactly, as the blocking rounds' do. The default rule applies a round at the
+first step that finds it complete, which depends on timing, so its figures move between
+runs of a seed.
 
 Outputs ``benchmarks/results/seed_steps.json`` and the section "Steps to the target over
 10 seeds" of ``benchmarks/RESULTS.md``. About 2 minutes a seed on 2 cores.
