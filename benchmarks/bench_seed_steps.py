@@ -18,9 +18,9 @@ Outputs ``benchmarks/results/seed_steps.json`` and the section "Steps to the tar
 """
 from __future__ import annotations
 
-from harness import steps_study
+from harness import report, steps_study
 
-PERIOD, TARGET_X = 8, 1.10
+PERIOD = 8
 CONFIGS = {
     "ddp": ["--hook", "ddp"],
     "allreduce": ["--hook", "allreduce", "--period", str(PERIOD)],
@@ -32,7 +32,7 @@ CONFIGS = {
 def main(argv=None) -> int:
     return steps_study.main(
         __doc__, "bench_seed_steps.py", argv=argv, configs=CONFIGS,
-        bytes_base="allreduce", within=TARGET_X, seeds=",".join(map(str, range(10))),
+        bytes_base="allreduce", within=report.STEPS_TARGET, seeds=",".join(map(str, range(10))),
         section="## Steps to the target over 10 seeds",
         json_name="seed_steps.json",
         describe=f"Period {PERIOD}; `allreduce`: exact blocking rounds; "

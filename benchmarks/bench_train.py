@@ -575,8 +575,9 @@ def _limit_targets(rows: list[dict], per_repeat: list[list[dict]], prof: str) ->
     if limit:
         out.append(line("time to target over the no-communication limit", "x_of_limit",
                         lambda x: x <= limit, f"target <= {limit}x"))
-    out.append(line("steps to DDP's loss over DDP's", "steps_x", lambda x: x <= 1.10,
-                    "target <= 1.10x"))
+    out.append(line("steps to DDP's loss over DDP's", "steps_x",
+                    lambda x: x <= report.STEPS_TARGET,
+                    f"target <= {report.STEPS_TARGET:.2f}x"))
     for key, peer in (("vs_pma", "PeriodicModelAverager"), ("vs_powersgd", "DDP + PowerSGD"),
                       ("vs_torchft", "torchft's DiLoCo")):
         if best.get(f"{key}_values") and any(x is not None for x in best[f"{key}_values"]):
