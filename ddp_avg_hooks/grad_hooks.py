@@ -54,6 +54,13 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
             "local_sgd_grad_hook: state must be the AveragingHandle returned by "
             f"register_averaging_hook, got {type(state).__name__}"
         ) from None
+    averages = getattr(state, "averages", None)
+    if averages is not None and not any(averages(p) for p in bucket.parameters()):
+        raise ValueError(
+            "local_sgd_grad_hook: the AveragingHandle given as the comm hook's state averages "
+            "another model, so this model's gradients would stay local and its parameters "
+            "never be averaged; pass ddp.register_comm_hook the handle that "
+            "register_averaging_hook returned for this DDP model")
     if in_warmup:
         return default_hooks.allreduce_hook(state.grad_process_group, bucket)
     switch = getattr(state, "reducer_switch", None)
@@ -213,6 +220,11 @@ def register_fsdp_grad_hooks(model: torch.nn.Module, handle) -> FSDPGradHooks:
             "DistributedDataParallel model use ddp.register_comm_hook(handle, "
             "grad_hooks.local_sgd_grad_hook)"
         )
+    averages = getattr(handle, "averages", None)
+    if averages is not None and not any(averages(p) for p in model.parameters()):
+        raise ValueError(
+            "register_fsdp_grad_hooks: the handle averages another model; pass the handle "
+            "that register_averaging_hook returned for this FSDP2 model")
     hooks = FSDPGradHooks(handle, modules)
     for module in modules:
         module.set_all_reduce_hook(hooks)

@@ -126,6 +126,8 @@ class AveragingHandle:
         #: the group the rounds average over
         self.process_group = engine.exact_group
         self._model = model
+        self._averaged_ids = frozenset() if model is None else frozenset(
+            [id(p) for p in model.keys] + [id(p) for _, p in model.sharded_params])
         #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
         self.grad_process_group = (model and model.grad_process_group) or dist.group.WORLD
         #: turns DDP's gradient reducer off after the warm-up (``None`` for FSDP2)
@@ -441,8 +443,21 @@ class AveragingHandle:
                 f"AveragingHandle.{what}() after remove(): register the hook again to resume"
             )
 
+    def averages(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the parameters this handle averages (with FSDP2,
+        the sharded parameter itself). Gradient hooks use it to refuse another model's
+        handle."""
+        return id(param) in self._averaged_ids
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, who: str = "optimizer") -> None:
+        """Raise ``ValueError`` unless ``optimizer`` steps at least one of the parameters
+        this handle averages (``who`` names the caller in the message)."""
+        if self._model is not None:
+            self._model.check_optimizer(optimizer, who)
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does)."""
+        self.check_optimizer(optimizer, "AveragingHandle.attach_optimizer")
         self._optimizer_hook = StepHooks(optimizer, self._advance)
 
     @property

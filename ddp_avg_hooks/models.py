@@ -122,6 +122,19 @@ class AveragedModel:
                         mesh.size(), mesh.get_local_rank()))
         return out
 
+    def check_optimizer(self, optimizer, who: str) -> None:
+        """Raise ``ValueError`` unless ``optimizer`` steps at least one of the averaged
+        parameters: rounds counted by another model's optimizer would follow its steps,
+        and ``optimizer_state`` would find no state of these parameters."""
+        mine = {id(p) for p in self.keys} | {id(p) for _, p in self.sharded_params}
+        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            return
+        raise ValueError(
+            f"{who}: the optimizer ({type(optimizer).__name__}) holds none of the averaged "
+            f"model's trainable parameters ({', '.join(self.names[:3])}"
+            f"{', ...' if len(self.names) > 3 else ''}); pass the optimizer that trains "
+            "this model, built over model.parameters()")
+
     def buffers(self) -> list[torch.Tensor]:
         """The floating-point buffers (averaged by ``average_buffers=True``)."""
         return [local_tensor(b) for name, b in self.module.named_buffers()

@@ -89,6 +89,8 @@ class AveragingOptimizer(torch.optim.Optimizer):
                 )
             inner = inner.optimizer
         _check_not_attached(handle)
+        if callable(getattr(handle, "check_optimizer", None)):
+            handle.check_optimizer(optimizer, "AveragingOptimizer")
         # Not Optimizer.__init__: it would build new param groups; these are the inner ones.
         self.optimizer = optimizer
         self.handle = handle

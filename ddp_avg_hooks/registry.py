@@ -145,6 +145,8 @@ def register_averaging_hook(
                         f"{type(hook).__name__}")
     opts = AveragingOptions.from_call(period=period, warmup_steps=warmup_steps,
                                       bucket_cap_mb=bucket_cap_mb, optimizer=optimizer, **options)
+    if optimizer is not None:
+        model.check_optimizer(optimizer, "register_averaging_hook: optimizer=")
     spec = hook_spec(hook)
     spec.validate(state)
 

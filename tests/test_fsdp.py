@@ -244,6 +244,15 @@ def _rank_refusals(rank, world_size):
         dah.grad_hooks.register_fsdp_grad_hooks(make_model(), None)
     except TypeError as exc:
         messages["grad_hooks_handle"] = str(exc)
+    # another FSDP2 model's handle: its warm-up would never average this model's gradients
+    model, replicate = F.sharded_model(2)
+    other, _ = F.sharded_model(2, seed=1)
+    handle = dah.register_averaging_hook(model, h.allreduce_hook, replicate, period=2)
+    try:
+        dah.grad_hooks.register_fsdp_grad_hooks(other, handle)
+    except ValueError as exc:
+        messages["other_model"] = str(exc)
+    handle.remove()
     return messages
 
 
@@ -253,6 +262,7 @@ def test_wrong_groups_and_native_hsdp_are_refused_on_every_rank():
         assert "shard index" in messages["wrong_group"]
         assert "2-D mesh" in messages["hsdp"] and "mesh['shard']" in messages["hsdp"]
         assert "must be the AveragingHandle" in messages["grad_hooks_handle"]
+        assert "the handle averages another model" in messages["other_model"]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # FSDP1's deprecation notice

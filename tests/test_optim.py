@@ -133,3 +133,7 @@ def test_double_stepping_is_refused(world1):
         dah.AveragingOptimizer(object(), handle)
     with pytest.raises(TypeError, match="AveragingHandle"):
         dah.AveragingOptimizer(inner, object())
+    fresh = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    with pytest.raises(ValueError, match="AveragingOptimizer: the optimizer"):
+        dah.AveragingOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), fresh)
+    fresh.remove()

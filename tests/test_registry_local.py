@@ -186,6 +186,36 @@ def test_stepping_a_handle_the_optimizer_already_steps_is_refused(world1):
     handle.remove()
 
 
+def test_an_optimizer_of_other_parameters_is_refused(world1):
+    ddp = DDP(_mlp(3, 2))
+    other = torch.optim.SGD(_mlp(3, 2).parameters(), lr=0.1)  # another model's optimizer
+    with pytest.raises(ValueError, match=r"holds none of the averaged model's trainable "
+                                         r"parameters \(0.weight, 0.bias\)"):
+        dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, optimizer=other)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2)
+    with pytest.raises(ValueError, match="attach_optimizer: the optimizer"):
+        handle.attach_optimizer(other)
+    assert not handle.attached_optimizer
+    # one optimizer over this model and another, or over a part of this one: accepted
+    both = torch.optim.SGD([*other.param_groups[0]["params"], ddp.module[0].bias], lr=0.1)
+    handle.attach_optimizer(both)
+    both.zero_grad(); ddp(torch.randn(4, 3)).sum().backward(); both.step()
+    assert handle.step_count == 1
+    handle.remove()
+
+
+def test_a_comm_hook_given_another_models_handle_is_refused(world1):
+    ddp, other = DDP(_mlp(3, 2)), DDP(_mlp(3, 2))
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2)
+    assert handle.averages(ddp.module[0].weight) and not handle.averages(other.module[0].weight)
+    other.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    with pytest.raises(ValueError, match="averages another model"):
+        other(torch.randn(4, 3)).sum().backward()  # its gradients would stay local for good
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    ddp(torch.randn(4, 3)).sum().backward()  # its own handle: accepted
+    handle.remove()
+
+
 def test_state_dict_round_trip_and_mismatch(world1):
     ddp = DDP(_mlp(3, 2))
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=3,
