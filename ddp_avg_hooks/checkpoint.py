@@ -174,6 +174,29 @@ def _read_marker(path: Path) -> dict | None:
     return marker if isinstance(marker, dict) and "session" in marker else {"session": text}
 
 
+def _check_parts(handle, model, optimizer) -> None:
+    """Refuse, before anything is saved, parts that would make a checkpoint that cannot
+    resume this run: arguments out of order, another model or another model's optimizer."""
+    if not all(callable(getattr(handle, m, None)) for m in ("state_dict", "averages")):
+        raise TypeError(
+            "RoundCheckpointer: handle must be the AveragingHandle returned by "
+            f"register_averaging_hook, got {type(handle).__name__}; the arguments are "
+            "(directory, handle, model, optimizer)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("RoundCheckpointer: model must be a torch.nn.Module (ddp.module, or "
+                        f"the FSDP2 root), got {type(model).__name__}")
+    if not any(handle.averages(p) for p in model.parameters()):
+        raise ValueError(
+            f"RoundCheckpointer: the model ({type(model).__name__}) holds none of the "
+            "parameters the handle averages, so its checkpoints would not hold the averaged "
+            "model; pass the model registered with register_averaging_hook (ddp.module, or "
+            "the FSDP2 root)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("RoundCheckpointer: optimizer must be a torch.optim.Optimizer (or an "
+                        f"AveragingOptimizer), got {type(optimizer).__name__}")
+    handle.check_optimizer(optimizer, "RoundCheckpointer")
+
+
 class RoundCheckpointer:
     """Save every ``every_rounds``-th round of ``handle``; resume the newest all ranks completed.
 
@@ -195,6 +218,7 @@ class RoundCheckpointer:
 
     def __init__(self, directory, handle, model: torch.nn.Module, optimizer, scheduler=None, *,
                  every_rounds: int = 1, keep: int = 2, process_group=None) -> None:
+        _check_parts(handle, model, optimizer)
         self.directory = Path(directory)
         self.handle, self.model = handle, model
         self.optimizer, self.scheduler = optimizer, scheduler

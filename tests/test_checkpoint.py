@@ -126,6 +126,19 @@ def test_rejects_bad_settings(world1, tmp_path):
         RoundCheckpointer(tmp_path, handle, ddp.module, opt, every_rounds=0)
     with pytest.raises(TypeError, match="keep must be an int"):
         RoundCheckpointer(tmp_path, handle, ddp.module, opt, keep=1.5)
+    # parts that could not resume this run: refused before anything is written
+    with pytest.raises(TypeError, match=r"handle must be the AveragingHandle.*\(directory, "
+                                        r"handle, model, optimizer\)"):
+        RoundCheckpointer(tmp_path, ddp.module, handle, opt)
+    other = make_model()
+    with pytest.raises(ValueError, match="holds none of the parameters the handle averages"):
+        RoundCheckpointer(tmp_path, handle, other, opt)
+    with pytest.raises(ValueError, match="RoundCheckpointer: the optimizer"):
+        RoundCheckpointer(tmp_path, handle, ddp.module, torch.optim.SGD(other.parameters(), lr=1))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        RoundCheckpointer(tmp_path, handle, ddp.module, None)
+    assert not any(tmp_path.iterdir())
+    RoundCheckpointer(tmp_path, handle, ddp, opt)  # the DDP wrapper holds the same parameters
 
 
 def test_dcp_state_dict_calls_do_not_count_as_steps(world1):
