@@ -102,7 +102,10 @@ class AveragingOptions:
         agreed=True)
     optimizer_state: str = _option("keep", (
         "`\"keep\"`, `\"average\"` or `\"reset\"`: what a round does to the optimizer's "
-        "momentum and Adam moments (average them exactly, or zero them); needs `optimizer=`"),
+        "momentum and Adam moments (average them exactly, or zero them); needs `optimizer=`. "
+        "With `\"average\"`, each round first checks that every rank holds the same state "
+        "tensors (one small all-reduce): state that differs, from another optimizer class "
+        "or settings, is a `SettingsMismatchError` on every rank"),
         agreed=True)
     on_round: Callable | None = _option(None, (
         "`callable(handle)`: runs on every rank after each round"))

@@ -19,16 +19,27 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
+import torch.distributed as dist
 
 from .bucket import ParamBucket, assign_buckets
+from .errors import SettingsMismatchError
 from .models import local_tensor
 
 
 class RoundPolicy:
     """Base class: no extra buckets, nothing after the write-back."""
+
+    #: whether the buckets can change between rounds, and so differ between ranks
+    #: (they are then checked to agree before each round sends them)
+    changing = False
+
+    def describe(self) -> list:
+        """What this rank's buckets hold, for a message when the ranks' differ."""
+        return []
 
     def buckets(self) -> list[ParamBucket]:
         """Buckets to average exactly in this round (launched after the hook's)."""
@@ -55,15 +66,19 @@ class BufferAveraging(RoundPolicy):
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer, params) -> tuple:
     """Floating-point state tensors shaped like their parameter (momentum, moments); of
     a sharded (DTensor) parameter, the local shard of its state."""
-    tensors = []
-    for p in params:
-        for key, value in sorted(optimizer.state.get(p, {}).items()):
-            if (isinstance(value, torch.Tensor) and value.is_floating_point()
-                    and value.shape == p.shape and key != "step"):
-                value = local_tensor(value)
-                if value.numel():
-                    tensors.append(value)
-    return tuple(tensors)
+    return tuple(value for p in params for _, value in _averaged_state(optimizer, p))
+
+
+def _averaged_state(optimizer: torch.optim.Optimizer, p) -> list[tuple]:
+    """``(key, local tensor)`` of ``p``'s state that rounds average, sorted by key."""
+    out = []
+    for key, value in sorted(optimizer.state.get(p, {}).items()):
+        if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                and value.shape == p.shape and key != "step"):
+            value = local_tensor(value)
+            if value.numel():
+                out.append((key, value))
+    return out
 
 
 class OptimizerStateAveraging(RoundPolicy):
@@ -73,11 +88,19 @@ class OptimizerStateAveraging(RoundPolicy):
     checkpoint), so its buckets are rebuilt whenever the tensors change.
     """
 
+    changing = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, params: list,
-                 bucket_cap_mb: float) -> None:
+                 bucket_cap_mb: float, names: list[str] | None = None) -> None:
         self._optimizer, self._params, self._cap = optimizer, params, bucket_cap_mb
+        self._names = names or [f"parameter {i}" for i in range(len(params))]
         self._ids: tuple = ()
         self._buckets: list[ParamBucket] = []
+
+    def describe(self) -> list:
+        """Per parameter, its name and the state tensors averaged (``(key, shape)``)."""
+        return [(name, [(k, tuple(v.shape)) for k, v in _averaged_state(self._optimizer, p)])
+                for name, p in zip(self._names, self._params)]
 
     def buckets(self) -> list[ParamBucket]:
         tensors = optimizer_state_tensors(self._optimizer, self._params)
@@ -102,6 +125,41 @@ class OptimizerStateReset(RoundPolicy):
             torch._foreach_zero_(list(tensors))
 
 
+def check_buckets_agree(policies: list[RoundPolicy], buckets: list[ParamBucket], group,
+                        where: str) -> None:
+    """Raise :class:`~ddp_avg_hooks.errors.SettingsMismatchError` on every rank of
+    ``group`` unless all hold ``buckets`` (the policies' of this round) of the same sizes
+    and dtypes: averaging buckets that differ would abort the process or hang.
+    Collective on ``group`` (one int64 all-reduce; a gather of the policies' descriptions
+    only when they differ)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    layout = repr([(b.numel(), str(b.dtype)) for b in buckets]).encode()
+    mine = int.from_bytes(hashlib.blake2b(layout, digest_size=7).digest(), "little")
+    seen = torch.tensor([mine, -mine], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        seen = seen.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    if int(seen[0]) == mine and -int(seen[1]) == mine:
+        return
+    described: list = [None] * world
+    dist.all_gather_object(described, [entry for p in policies for entry in p.describe()],
+                           group=group)
+    ranks = dist.get_process_group_ranks(group)
+    first = next(i for i, d in enumerate(described) if d != described[0])
+    where_differs = next(
+        (f"{a[0]!r} holds {a[1] or 'no state'} on rank {ranks[0]}, {b[1] or 'no state'} on "
+         f"rank {ranks[first]}" for a, b in zip(described[0], described[first]) if a != b),
+        "the buffers differ")
+    raise SettingsMismatchError(
+        f"{where}: the ranks' optimizer state (or buffers) averaged with the round differ, "
+        f"so they cannot be averaged: {where_differs}. Every rank must step the same "
+        "optimizer class with the same settings, and every parameter must get a gradient "
+        "on every rank before a round (a parameter that got none on one rank has no "
+        "optimizer state there); or register with optimizer_state='keep'")
+
+
 def make_policies(options, model, params: list) -> list[RoundPolicy]:
     """The policies ``options`` (an :class:`~ddp_avg_hooks.options.AveragingOptions`) asks
     for, over ``model`` (a :class:`~ddp_avg_hooks.models.AveragedModel`) whose averaged
@@ -117,7 +175,9 @@ def make_policies(options, model, params: list) -> list[RoundPolicy]:
             )
         policies.append(BufferAveraging(model.buffers(), options.bucket_cap_mb))
     if options.optimizer_state == "average":
-        policies.append(OptimizerStateAveraging(options.optimizer, params, options.bucket_cap_mb))
+        name_of = {id(k): n for k, n in zip(model.keys, model.names)}
+        policies.append(OptimizerStateAveraging(options.optimizer, params, options.bucket_cap_mb,
+                                                names=[name_of.get(id(p), "?") for p in params]))
     elif options.optimizer_state == "reset":
         policies.append(OptimizerStateReset(options.optimizer, params))
     return policies

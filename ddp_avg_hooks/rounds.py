@@ -65,7 +65,7 @@ from .bucket import BucketRound, ParamBucket
 from .collectives import Background, exact_average
 from .errors import AveragingHookError
 from .observers import Reporter, RoundObserver
-from .policies import RoundPolicy
+from .policies import RoundPolicy, check_buckets_agree
 from .protocol import hook_name
 from .weights import RoundWeights, WeightExchange
 
@@ -263,6 +263,8 @@ class RoundEngine:
         buckets = self.buckets if fragment is None else self.fragments[fragment]
         # the policies' extras (buffers, optimizer state) go with the first fragment
         extras = [b for p in self.policies for b in p.buckets()] if not fragment else []
+        if not fragment and any(p.changing for p in self.policies):
+            check_buckets_agree(self.policies, extras, self.exact_group, where)
         with _profiler_range("ddp_avg_hooks::round::launch"):
             futures, records, deferred, background = [], [], [], []
             for bucket in buckets:

@@ -234,6 +234,39 @@ def test_verify_compares_the_buckets_a_fragment_round_averaged():
     assert run_ranks(_rank_verify_fragments, 2, timeout_s=60) == [[9, 5]] * 2
 
 
+def _rank_optimizer_state_differs(rank, world_size):
+    """Adam on one rank, SGD with momentum on the other, their state averaged at each round."""
+    out = []
+    for overlap in (False, True):
+        ddp = DDP(_model(), broadcast_buffers=False)
+        opt = (torch.optim.Adam(ddp.parameters(), lr=0.01) if rank == 1
+               else torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9))
+        handle = dah.register_averaging_hook(ddp, h.allreduce_hook, None, period=2,
+                                             overlap=overlap, optimizer_state="average",
+                                             optimizer=opt)
+        handle.detach_optimizer()  # stepped by hand, to see the parameters around the round
+        train_step(ddp, opt, rank, 0)
+        before = flat(ddp)
+        try:
+            handle.step()  # the first round
+            out.append(("averaged", handle.stats.rounds))
+        except dah.errors.SettingsMismatchError as exc:
+            out.append((str(exc), torch.equal(flat(ddp), before), handle.stats.rounds))
+        handle.remove()
+    return out
+
+
+def test_optimizer_state_that_differs_between_ranks_is_refused_before_it_is_sent():
+    # without the check the state buckets' sizes differ: gloo aborts the process or hangs
+    for per_rank in run_ranks(_rank_optimizer_state_differs, 2, timeout_s=90, pg_timeout_s=15):
+        for message, unchanged, rounds in per_rank:
+            assert "round 1, step 0: the ranks' optimizer state" in message
+            assert ("'0.weight' holds [('momentum_buffer', (6, 5))] on rank 0, "
+                    "[('exp_avg', (6, 5)), ('exp_avg_sq', (6, 5))] on rank 1") in message
+            assert "optimizer_state='keep'" in message
+            assert unchanged and rounds == 0
+
+
 def _rank_other_group(rank, world_size):
     pair = dist.new_group([0, 1])  # the same members as the world, another communicator
     config = {"hook": "allreduce", "state": {}, "options": {"period": 2}}
