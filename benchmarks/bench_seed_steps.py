@@ -5,7 +5,10 @@ averaging (``allreduce``, the rule of PyTorch's ``PeriodicModelAverager``) and t
 configuration of those tables, 4-bit rounds of 4 interleaved fragments overlapped with
 training, once per seed over 10 seeds on loopback (``harness/steps_study.py``), and
 reports each seed's steps to DDP's loss over DDP's, their mean and median and on how many
-seeds the ratio is within the 1.10x target. The overlapped configuration applies every
+seeds the ratio is within the 1.10x target. Beside them, DDP itself from the same initial
+model on another order of the training batches (``--data-seed-offset``): how far a seed's
+figure moves when nothing but the data order changes, the noise of the measure. The
+overlapped configuration applies every
 round at the step after its launch (``overlap_steps=1``), so that each of its figures
 repeats exactly, as the blocking rounds' do. The default rule applies a round at the
 first step that finds it complete, which depends on timing, so its figures move between
@@ -23,6 +26,7 @@ from harness import report, steps_study
 PERIOD = 8
 CONFIGS = {
     "ddp": ["--hook", "ddp"],
+    "ddp_other_data_order": ["--hook", "ddp", "--data-seed-offset", "100"],
     "allreduce": ["--hook", "allreduce", "--period", str(PERIOD)],
     "int4_streaming_interleaved_next_step": [
         "--hook", "int4_streaming_interleaved_next_step", "--period", str(PERIOD)],
@@ -35,7 +39,9 @@ def main(argv=None) -> int:
         bytes_base="allreduce", within=report.STEPS_TARGET, seeds=",".join(map(str, range(10))),
         section="## Steps to the target over 10 seeds",
         json_name="seed_steps.json",
-        describe=f"Period {PERIOD}; `allreduce`: exact blocking rounds; "
+        describe=f"`ddp_other_data_order`: DDP from the same initial model on another order "
+                 "of the training batches (`--data-seed-offset 100`). "
+                 f"Period {PERIOD}; `allreduce`: exact blocking rounds; "
                  "`int4_streaming_interleaved_next_step`: 4-bit rounds of 4 interleaved "
                  "fragments, overlapped, each applied at the step after its launch.")
 

@@ -593,6 +593,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="steps of DDP gradient averaging before local SGD starts")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-seed-offset", type=int, default=0,
+                   help="draw the training batches as seed + K would (the model still "
+                        "starts from --seed): the same method on another data order")
     p.add_argument("--out", default=None, help="folder for metrics.json (rank 0)")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     for k in ("d_model", "n_layers", "n_heads", "context", "batch_size"):
@@ -752,7 +755,7 @@ def optimizer_and_schedule(model: nn.Module, args):
 
 def batch_generator(args, rank: int) -> torch.Generator:
     """The generator of ``rank``'s training batches: each rank its own data."""
-    return torch.Generator().manual_seed(args.seed * 1000 + rank)
+    return torch.Generator().manual_seed((args.seed + args.data_seed_offset) * 1000 + rank)
 
 
 def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: float):

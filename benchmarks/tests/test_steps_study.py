@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 import bench_period_steps
 from harness import steps_study
 
@@ -133,7 +135,7 @@ def test_the_seed_study_trains_ten_seeds_and_counts_those_within_the_target(
         # configuration at 200 on even seeds and halfway between 220 (2.1) and 240 (1.9)
         # on odd ones: 230 steps, 1.15x
         def curve(name, s):
-            if name == "ddp":
+            if name in ("ddp", "ddp_other_data_order"):
                 return _run(*[3.0] * 9, 2.0)
             if name == "allreduce" or s % 2:
                 return _run(*[3.0] * 9, 2.2, 2.1 if s % 2 and name != "allreduce" else 2.0,
@@ -149,10 +151,29 @@ def test_the_seed_study_trains_ten_seeds_and_counts_those_within_the_target(
     assert parsed["allreduce"].period == parsed["int4_streaming_interleaved_next_step"].period == 8
     assert parsed["int4_streaming_interleaved_next_step"].hook == \
         "int4_streaming_interleaved_next_step"
+    other = parsed["ddp_other_data_order"]
+    assert (other.hook, other.data_seed_offset, parsed["ddp"].data_seed_offset) == ("ddp", 100, 0)
     section = results.read_text()
     section = section[section.index("## Steps to the target over 10 seeds"):]
     assert "| mean | median | within 1.10x | bytes x |" in section
+    assert "| `ddp_other_data_order` | " + " | ".join(["1.000"] * 10) + \
+        " | 1.000 | 1.000 | 10 of 10 |" in section
     assert "| `allreduce` | " + " | ".join(["1.100"] * 10) + " | 1.100 | 1.100 | 10 of 10 |" \
         in section
     assert "| `int4_streaming_interleaved_next_step` | " + " | ".join(
         ["1.000", "1.150"] * 5) + " | 1.075 | 1.075 | 5 of 10 |" in section
+
+
+def test_another_data_order_changes_the_batches_and_not_the_model():
+    from harness import train
+
+    def first_batch(*flags):
+        args = train.parse_args(["--preset", "bench", *flags])
+        return torch.randint(1000, (4,), generator=train.batch_generator(args, rank=1))
+
+    same = first_batch("--seed", "3")
+    assert torch.equal(first_batch("--seed", "3", "--data-seed-offset", "0"), same)
+    assert not torch.equal(first_batch("--seed", "3", "--data-seed-offset", "100"), same)
+    # seed 3's batches with offset 4 are seed 7's
+    assert torch.equal(first_batch("--seed", "3", "--data-seed-offset", "4"),
+                       first_batch("--seed", "7"))
