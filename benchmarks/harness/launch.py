@@ -211,15 +211,21 @@ def main(argv=None) -> int:
     return 0 if outcome["ok"] else 1
 
 
-def study_args(doc: str, seeds: str, runs_name: str, argv=None) -> argparse.Namespace:
+def study_args(doc: str, seeds: str, runs_name: str, argv=None, *,
+               reuse: bool = False) -> argparse.Namespace:
     """The flags of a loopback study over seeds (``--seeds``, ``--runs-dir`` under
-    ``out/runs_name``, ``--timeout`` a run, ``--results-md``), parsed from ``argv``."""
+    ``out/runs_name``, ``--timeout`` a run, ``--results-md``; with ``reuse``, ``--reuse``),
+    parsed from ``argv``."""
     benchmarks = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--seeds", default=seeds)
     p.add_argument("--runs-dir", default=os.path.join(benchmarks, os.pardir, "out", runs_name))
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--results-md", default=os.path.join(benchmarks, "RESULTS.md"))
+    if reuse:
+        p.add_argument("--reuse", action="store_true",
+                       help="read the runs in --runs-dir made by the same train.py arguments "
+                            "instead of training them again")
     return p.parse_args(argv)
 
 

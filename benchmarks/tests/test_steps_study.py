@@ -131,12 +131,19 @@ def test_the_seed_study_trains_ten_seeds_and_counts_those_within_the_target(
 
     def train_all(configs, seeds, runs_dir, *, steps, budget, timeout_s):
         trained.update(configs=configs, seeds=seeds)
-        # DDP reaches 2.0 at step 200; exact averaging at 220 on every seed; the overlapped
-        # configuration at 200 on even seeds and halfway between 220 (2.1) and 240 (1.9)
-        # on odd ones: 230 steps, 1.15x
+        # on the first data order DDP reaches 2.0 at step 200; exact averaging at 220 on
+        # every seed; the overlapped configuration at 200 on even seeds and halfway between
+        # 220 (2.1) and 240 (1.9) on odd ones: 230 steps, 1.15x. On the other order DDP
+        # goes from 3.0 at 180 to 1.9 at 200 (the first order's 2.0 at 180 + 20 / 1.1 steps:
+        # 0.991x) and every method reaches 1.9 at 240 (1.2x; against the first order's
+        # 2.0 it would be 1.1x)
         def curve(name, s):
-            if name in ("ddp", "ddp_other_data_order"):
+            if name == "ddp":
                 return _run(*[3.0] * 9, 2.0)
+            if name == "ddp_other_data_order":
+                return _run(*[3.0] * 9, 1.9)
+            if name.endswith("_other_data_order"):
+                return _run(*[3.0] * 9, 2.2, 2.0, 1.9)
             if name == "allreduce" or s % 2:
                 return _run(*[3.0] * 9, 2.2, 2.1 if s % 2 and name != "allreduce" else 2.0,
                             1.9)
@@ -148,20 +155,29 @@ def test_the_seed_study_trains_ten_seeds_and_counts_those_within_the_target(
 
     assert trained["seeds"] == list(range(10))
     parsed = {n: train.parse_args(flags) for n, flags in trained["configs"].items()}
-    assert parsed["allreduce"].period == parsed["int4_streaming_interleaved_next_step"].period == 8
-    assert parsed["int4_streaming_interleaved_next_step"].hook == \
-        "int4_streaming_interleaved_next_step"
-    other = parsed["ddp_other_data_order"]
-    assert (other.hook, other.data_seed_offset, parsed["ddp"].data_seed_offset) == ("ddp", 100, 0)
+    ours = "int4_streaming_interleaved_next_step"
+    assert parsed["allreduce"].period == parsed[ours].period == 8
+    assert parsed[ours].hook == ours
+    for name in ("ddp", "allreduce", ours):
+        other = parsed[f"{name}_other_data_order"]
+        assert (other.hook, other.period, other.data_seed_offset) == \
+            (parsed[name].hook, parsed[name].period, 100)
+        assert parsed[name].data_seed_offset == 0
     section = results.read_text()
     section = section[section.index("## Steps to the target over 10 seeds"):]
     assert "| mean | median | within 1.10x | bytes x |" in section
-    assert "| `ddp_other_data_order` | " + " | ".join(["1.000"] * 10) + \
-        " | 1.000 | 1.000 | 10 of 10 |" in section
+    assert "| `ddp_other_data_order` | " + " | ".join(["0.991"] * 10) + \
+        " | 0.991 | 0.991 | 10 of 10 |" in section
     assert "| `allreduce` | " + " | ".join(["1.100"] * 10) + " | 1.100 | 1.100 | 10 of 10 |" \
         in section
-    assert "| `int4_streaming_interleaved_next_step` | " + " | ".join(
+    assert f"| `{ours}` | " + " | ".join(
         ["1.000", "1.150"] * 5) + " | 1.075 | 1.075 | 5 of 10 |" in section
+    # against DDP on the same (other) order, not the first
+    assert f"| `{ours}_other_data_order` | " + " | ".join(["1.200"] * 10) + \
+        " | 1.200 | 1.200 | 0 of 10 |" in section
+    # pooled: 20 samples a method
+    assert "| `allreduce`, both data orders | 20 | 1.150 | 1.150 | 10 of 20 |" in section
+    assert f"| `{ours}`, both data orders | 20 | 1.137 | 1.175 | 5 of 20 |" in section
 
 
 def test_another_data_order_changes_the_batches_and_not_the_model():
@@ -177,3 +193,29 @@ def test_another_data_order_changes_the_batches_and_not_the_model():
     # seed 3's batches with offset 4 are seed 7's
     assert torch.equal(first_batch("--seed", "3", "--data-seed-offset", "4"),
                        first_batch("--seed", "7"))
+
+
+def test_reuse_reads_only_runs_made_by_the_same_arguments(monkeypatch, tmp_path):
+    from harness import launch, train
+
+    trained = []
+    monkeypatch.setattr(launch, "run_training",
+                        lambda args, out, timeout_s: trained.append(out) or _run(2.0))
+    flags = {"a": ["--hook", "allreduce", "--period", "8"], "b": ["--hook", "ddp"]}
+    common = ["--preset", "bench", "--steps", "300", "--eval-every", "20", "--seed", "0",
+              "--progress", "off"]
+    for name, lr in (("a", "0.001"), ("b", "0.002")):  # b's run had another --lr
+        made = vars(train.parse_args([*common, *flags[name], "--lr", lr]))
+        (tmp_path / "seed0" / name).mkdir(parents=True)
+        (tmp_path / "seed0" / name / "metrics.json").write_text(
+            json.dumps({**_run(1.5), "config": {**made, "out": "elsewhere", "n_params": 7}}))
+    configs = {n: [*f, "--lr", "0.001"] for n, f in flags.items()}
+
+    reused = []
+    runs = steps_study.train_all(configs, [0], str(tmp_path), steps=300, budget=20,
+                                 timeout_s=1, reused=reused)
+    assert reused == ["0/a"] and trained == [str(tmp_path / "seed0" / "b")]
+    assert runs[0]["a"]["evals"][0]["val_loss"] == 1.5  # read, not trained
+    trained.clear()
+    steps_study.train_all(configs, [0], str(tmp_path), steps=300, budget=20, timeout_s=1)
+    assert len(trained) == 2  # without reuse every run trains
