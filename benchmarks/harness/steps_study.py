@@ -229,6 +229,21 @@ def save(path: str, command: str, runs: dict[int, dict[str, dict]]) -> None:
                                               for s, v in runs.items()}), f, indent=1)
 
 
+def _bases_text(bytes_base: str | dict[str, str]) -> str:
+    """Whose bytes a table's bytes column divides by, in words.
+
+    >>> _bases_text({"a": "x", "b": "x", "c": "y"})
+    "`x`'s (`y`'s for `c`)"
+    """
+    if isinstance(bytes_base, str):
+        return f"`{bytes_base}`'s"
+    bases = list(bytes_base.values())
+    usual = max(bases, key=bases.count)
+    others = [f"`{b}`'s for " + ", ".join(f"`{n}`" for n, m in bytes_base.items() if m == b)
+              for b in dict.fromkeys(bases) if b != usual]
+    return f"`{usual}`'s" + (f" ({'; '.join(others)})" if others else "")
+
+
 def main(doc: str, script: str, *, section: str, json_name: str,
          configs: dict[str, list[str]], describe: str, bytes_base: str | dict[str, str],
          loss_base: str | None = None, within: float | None = None, lr: float = 1e-3,
@@ -258,9 +273,7 @@ def main(doc: str, script: str, *, section: str, json_name: str,
           f"~1M-parameter `bench` preset, batch 8 per rank, AdamW at lr {lr:g} (after a "
           f"{lr_warmup}-step warm-up), {steps} steps, validation every 20 steps. {describe}", "",
           f"Steps to DDP's loss at {budget} steps, over DDP's {budget} (interpolated); bytes "
-          f"sent by rank 0 to that loss over "
-          + (f"`{bytes_base}`'s:" if isinstance(bytes_base, str) else
-             ", ".join(f"`{b}`'s for `{n}`" for n, b in bytes_base.items()) + ":"), "",
+          f"sent by rank 0 to that loss over {_bases_text(bytes_base)}:", "",
           *table(runs, [n for n in configs if n != "ddp"], budget=budget,
                  bytes_base=bytes_base, within=within, references=references)]
     if pools and within:
