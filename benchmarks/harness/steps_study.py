@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import statistics
 import sys
@@ -100,8 +101,9 @@ def ratios(runs: dict[int, dict[str, dict]], name: str, *, budget: int,
 def pooled_table(runs: dict[int, dict[str, dict]], pools: dict[str, dict[str, str]], *,
                  budget: int, within: float) -> list[str]:
     """Markdown rows: per pool (``{label: {name: reference}}``), every seed's ratio of each
-    of its configurations to its reference pooled into one sample: its size, mean, median
-    and how many are at most ``within``.
+    of its configurations to its reference pooled into one sample: its size, mean and
+    median, each with its 95% interval (percentile bootstrap, 10,000 resamples, seeded:
+    the same sample gives the same interval), and how many are at most ``within``.
 
     >>> run = lambda *vs: {"evals": [{"step": 20 * (k + 1), "val_loss": v}
     ...                              for k, v in enumerate(vs)]}
@@ -109,23 +111,42 @@ def pooled_table(runs: dict[int, dict[str, dict]], pools: dict[str, dict[str, st
     ...             "a": run(3.0, 2.0), "a2": run(2.9, 2.1, 1.9)}}
     >>> pools = {"a, both": {"a": "ddp", "a2": "ddp2"}}
     >>> print("\\n".join(pooled_table(runs, pools, budget=40, within=1.1)))
-    | configuration | samples | mean | median | within 1.10x |
+    | configuration | samples | mean (95% interval) | median (95% interval) | within 1.10x |
     |---|---|---|---|---|
-    | a, both | 2 | 1.250 | 1.250 | 1 of 2 |
+    | a, both | 2 | 1.250 (1.000-1.500) | 1.250 (1.000-1.500) | 1 of 2 |
     <BLANKLINE>
     """
-    lines = [f"| configuration | samples | mean | median | within {within:.2f}x |",
-             "|---|---|---|---|---|"]
+    lines = [f"| configuration | samples | mean (95% interval) | median (95% interval) | "
+             f"within {within:.2f}x |", "|---|---|---|---|---|"]
     for label, members in pools.items():
         sample = [r for name, ref in members.items()
                   for r in ratios(runs, name, budget=budget, reference=ref)]
         reached = [r for r in sample if r is not None]
         whole = len(reached) == len(sample)
-        stats = (f"{statistics.mean(reached):.3f} | {statistics.median(reached):.3f}" if whole
-                 else "- | -")
+        stats = " | ".join(f"{f(reached):.3f} ({low:.3f}-{high:.3f})"
+                           for f in (statistics.mean, statistics.median)
+                           for low, high in [bootstrap_interval(reached, f)]) if whole else "- | -"
         lines.append(f"| {label} | {len(sample)} | {stats} | "
                      f"{sum(r <= within for r in reached)} of {len(sample)} |")
     return lines + [""]
+
+
+def bootstrap_interval(sample: list[float], statistic, *, resamples: int = 10_000,
+                       level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """The percentile bootstrap interval of ``statistic`` over ``sample``: the statistic of
+    ``resamples`` draws of ``len(sample)`` values with replacement, its ``(1 - level) / 2``
+    and ``(1 + level) / 2`` quantiles. Seeded, so a sample always gives the same interval.
+
+    >>> bootstrap_interval([1.0, 1.0, 1.0], statistics.mean)
+    (1.0, 1.0)
+    >>> low, high = bootstrap_interval([1.0, 1.1, 1.2, 1.3], statistics.mean)
+    >>> 1.0 <= low < 1.15 < high <= 1.3
+    True
+    """
+    draw = random.Random(seed)
+    values = sorted(statistic(draw.choices(sample, k=len(sample))) for _ in range(resamples))
+    return (values[int((1 - level) / 2 * resamples)],
+            values[min(resamples - 1, int((1 + level) / 2 * resamples))])
 
 
 def table(runs: dict[int, dict[str, dict]], names: list[str], *, budget: int,

@@ -4,6 +4,7 @@ validation curves, no training here)."""
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 
@@ -175,9 +176,16 @@ def test_the_seed_study_trains_ten_seeds_and_counts_those_within_the_target(
     # against DDP on the same (other) order, not the first
     assert f"| `{ours}_other_data_order` | " + " | ".join(["1.200"] * 10) + \
         " | 1.200 | 1.200 | 0 of 10 |" in section
-    # pooled: 20 samples a method
-    assert "| `allreduce`, both data orders | 20 | 1.150 | 1.150 | 10 of 20 |" in section
-    assert f"| `{ours}`, both data orders | 20 | 1.137 | 1.175 | 5 of 20 |" in section
+    # pooled: 20 samples a method; each interval holds its statistic, within the sample
+    pooled = {m.group(1): [float(x) for x in m.groups()[1:7]] + [m.group(8)]
+              for m in re.finditer(r"\| (.+), both data orders \| 20 \| ([\d.]+) \(([\d.]+)-"
+                                   r"([\d.]+)\) \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \| "
+                                   r"(\d+ of 20) \|", section)}
+    assert pooled["`allreduce`"][0] == 1.15 and pooled["`allreduce`"][3] == 1.15
+    assert pooled[f"`{ours}`"][0] == 1.137 and pooled[f"`{ours}`"][3] == 1.175
+    assert (pooled["`allreduce`"][6], pooled[f"`{ours}`"][6]) == ("10 of 20", "5 of 20")
+    for mean, low, high, median, m_low, m_high, _ in pooled.values():
+        assert 1.0 <= low <= mean <= high <= 1.2 and 1.0 <= m_low <= median <= m_high <= 1.2
 
 
 def test_another_data_order_changes_the_batches_and_not_the_model():
@@ -219,3 +227,15 @@ def test_reuse_reads_only_runs_made_by_the_same_arguments(monkeypatch, tmp_path)
     trained.clear()
     steps_study.train_all(configs, [0], str(tmp_path), steps=300, budget=20, timeout_s=1)
     assert len(trained) == 2  # without reuse every run trains
+
+
+def test_the_bootstrap_interval_is_the_resampled_statistics_quantiles():
+    import statistics
+
+    # the mean of 2 draws from [0, 10] is 0, 5 or 10 with probabilities 1/4, 1/2, 1/4:
+    # its 30% and 70% quantiles are 5, its 5% and 95% quantiles 0 and 10
+    assert steps_study.bootstrap_interval([0.0, 10.0], statistics.mean, level=0.4) == (5, 5)
+    assert steps_study.bootstrap_interval([0.0, 10.0], statistics.mean, level=0.9) == (0, 10)
+    sample = [1.0, 1.3, 0.9, 1.2, 1.1]
+    assert steps_study.bootstrap_interval(sample, statistics.median) == \
+        steps_study.bootstrap_interval(sample, statistics.median)  # seeded
