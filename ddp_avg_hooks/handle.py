@@ -126,8 +126,6 @@ class AveragingHandle:
         #: the group the rounds average over
         self.process_group = engine.exact_group
         self._model = model
-        self._averaged_ids = frozenset() if model is None else frozenset(
-            [id(p) for p in model.keys] + [id(p) for _, p in model.sharded_params])
         #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
         self.grad_process_group = (model and model.grad_process_group) or dist.group.WORLD
         #: turns DDP's gradient reducer off after the warm-up (``None`` for FSDP2)
@@ -447,7 +445,7 @@ class AveragingHandle:
         """Whether ``param`` is one of the parameters this handle averages (with FSDP2,
         the sharded parameter itself). Gradient hooks use it to refuse another model's
         handle."""
-        return id(param) in self._averaged_ids
+        return self._model is not None and self._model.averages(param)
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, who: str = "optimizer") -> None:
         """Raise ``ValueError`` unless ``optimizer`` steps at least one of the parameters

@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -122,12 +123,20 @@ class AveragedModel:
                         mesh.size(), mesh.get_local_rank()))
         return out
 
+    @functools.cached_property
+    def _averaged_ids(self) -> frozenset:
+        return frozenset([id(p) for p in self.keys] + [id(p) for _, p in self.sharded_params])
+
+    def averages(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the averaged parameters (with FSDP2, the sharded
+        parameter itself, empty local shard or not)."""
+        return id(param) in self._averaged_ids
+
     def check_optimizer(self, optimizer, who: str) -> None:
         """Raise ``ValueError`` unless ``optimizer`` steps at least one of the averaged
         parameters: rounds counted by another model's optimizer would follow its steps,
         and ``optimizer_state`` would find no state of these parameters."""
-        mine = {id(p) for p in self.keys} | {id(p) for _, p in self.sharded_params}
-        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+        if any(self.averages(p) for g in optimizer.param_groups for p in g["params"]):
             return
         raise ValueError(
             f"{who}: the optimizer ({type(optimizer).__name__}) holds none of the averaged "
