@@ -8,6 +8,7 @@ saves and restores its state.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from .bucket import ParamBucket
 from .errors import SettingsMismatchError
 from .grad_hooks import ReducerSwitch
 from .models import AveragedModel
+from .observers import bucket_checksum
 from .options import AveragingOptions
 from .planner import RoundPlanner
 from .protocol import hook_spec
@@ -246,11 +248,41 @@ class AveragingHandle:
             if not rnd.overlapped:
                 self._finish(rnd)
         elif self._step_count == self._options.warmup_steps - 1:
-            # Warm-up kept the replicas identical; start the deltas from here.
-            for bucket in self._engine.buckets:
-                bucket.reset_anchor()
+            self._anchor_after_warmup()
         self._step_count += 1
         return averaging
+
+    def _anchor_after_warmup(self) -> None:
+        """Start the changes from here: the warm-up's averaged gradients kept the replicas
+        identical, so the anchors become the current parameters. Where the replicas differ
+        (gradients stayed local during the warm-up), the anchors become the replicas'
+        exact average instead, so that the first round brings them together rather than
+        keeping each replica's offset for good; a warning says so. Collective on the
+        averaging group (one small all-gather of checksums) when a bucket keeps anchors."""
+        for bucket in self._engine.buckets:
+            bucket.reset_anchor()
+        anchored = [b for b in self._engine.buckets if b.has_anchor()]
+        group = self.process_group
+        if not anchored or not is_member(group) or dist.get_world_size(group) == 1:
+            return
+        sums = torch.stack([bucket_checksum(b).cpu() for b in anchored])
+        if dist.get_backend(group) == "nccl":
+            sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
+        gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, sums, group=group)
+        if all(torch.equal(g, gathered[0]) for g in gathered):
+            return
+        for bucket in anchored:
+            mean = torch.cat([p.detach().reshape(-1) for p in bucket.parameters()])
+            dist.all_reduce(mean, group=group)
+            bucket.stored_anchor().copy_(mean.div_(dist.get_world_size(group)))
+        warnings.warn(
+            f"the replicas' parameters differ at the end of the warm-up (step "
+            f"{self._step_count + 1} of warmup_steps={self._options.warmup_steps}): their "
+            "gradients were not averaged during it. The changes now start from the replicas' "
+            "average, so the first round brings them together; to average gradients during "
+            "the warm-up, register grad_hooks.local_sgd_grad_hook as the DDP comm hook, or "
+            "call grad_hooks.register_fsdp_grad_hooks for an FSDP2 model", stacklevel=3)
 
     def _due_in_replica(self, fragment: int | None) -> int | None:
         """A time-based round is due on every rank of this replica group once it is due on

@@ -53,7 +53,10 @@ class AveragingOptions:
         "rounds)"), agreed=True)
     warmup_steps: int = _option(0, (
         "int >= 0: steps before the first round, during which DDP still averages gradients "
-        "(with `grad_hooks.local_sgd_grad_hook`)"), agreed=True)
+        "(with `grad_hooks.local_sgd_grad_hook`; FSDP2: `register_fsdp_grad_hooks`). Hooks "
+        "that send changes start them at its end; replicas that differ there (gradients "
+        "kept local) start from their exact average instead, with a warning"),
+        agreed=True)
     bucket_cap_mb: float = _option(25.0, (
         "number > 0: the largest bucket, in MiB; a bigger parameter gets a bucket of its own"),
         agreed=True)

@@ -336,3 +336,34 @@ def test_the_fsdp2_example_runs_and_resumes_under_torchrun(tmp_path):
     assert "round 3: replicas differ by 0.0e+00" in first and "replicas agreed" in first
     second = torchrun("--steps", "40")
     assert "resumed round 3 at step 27" in second and "round 4:" in second
+
+
+def _rank_warmup_without_grad_hooks(rank, world_size):
+    """int8 rounds after a warm-up with no cross-replica gradient averaging (the grad
+    hooks forgotten): each replica group warmed up on its own batches."""
+    import warnings
+
+    import torch.distributed as dist
+
+    model, replicate = F.sharded_model(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(model, h.int8_compress_hook,
+                                         h.QuantizedDeltaState(process_group=replicate),
+                                         period=PERIOD, warmup_steps=WARMUP, optimizer=opt)
+    gaps = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(WARMUP + 2 * PERIOD):
+            F.train_step(model, opt, rank, step)
+            if (handle.step_count - 1 - WARMUP) % PERIOD == 0:  # a round just ran
+                full = F.full_params(model)
+                both = [torch.empty_like(full) for _ in range(world_size)]
+                dist.all_gather(both, full)
+                gaps.append(float((both[0] - both[2]).abs().max()))  # the two replicas
+    handle.remove()
+    return {"gaps": gaps, "warned": sum("end of the warm-up" in str(w.message) for w in caught)}
+
+
+def test_replicas_apart_after_an_fsdp2_warm_up_meet_at_the_first_round():
+    for out in run_ranks(_rank_warmup_without_grad_hooks, 4, timeout_s=120):
+        assert out["warned"] == 1 and out["gaps"] == [0.0, 0.0]

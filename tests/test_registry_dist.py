@@ -330,3 +330,60 @@ def test_a_rank_that_never_registers_gives_an_error_not_a_hang():
     messages = run_ranks(_rank_missing_registration, 2, timeout_s=60, pg_timeout_s=3,
                          hard_exit=True)
     assert "did every rank of the group register" in messages[0]
+
+
+# --- a warm-up that left the replicas apart ----------------------------------------
+@dah.averaging_hook(needs_anchor=True)
+def _exact_delta_hook(state, bucket):
+    """The exact average of the change since the anchor (what the compressed hooks send
+    in fewer bytes): ``anchor - mean(anchor - params)``."""
+    delta = bucket.delta(scale=1 / dist.get_world_size())
+    bucket.mark_result_as_delta()
+    return dist.all_reduce(delta, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _keep_local(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _rank_warmup_apart(rank, world_size, grads_averaged):
+    import warnings
+
+    model = make_model()
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, _exact_delta_hook, None, period=2, warmup_steps=3)
+    ddp.register_comm_hook(*((handle, dah.grad_hooks.local_sgd_grad_hook) if grads_averaged
+                             else (None, _keep_local)))  # a comm hook that keeps them local
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):  # 3 warm-up steps, then the first round
+            train_step(ddp, opt, rank, step)
+            handle.step()
+    return {"params": params_of(model), "rounds": handle.stats.rounds,
+            "warned": [str(w.message) for w in caught if "end of the warm-up" in str(w.message)]}
+
+
+def test_replicas_apart_after_the_warm_up_meet_at_the_first_round_with_a_warning():
+    out = run_ranks(_rank_warmup_apart, 2, timeout_s=60, grads_averaged=False)
+    # reference: each replica trained on its own batches for 4 steps, then their average
+    replicas = []
+    for r in range(2):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for step in range(4):
+            train_step(model, opt, r, step)
+        replicas.append(params_of(model))
+    for rank in out:
+        assert rank["rounds"] == 1 and len(rank["warned"]) == 1
+        assert "gradients were not averaged during it" in rank["warned"][0]
+        assert "local_sgd_grad_hook" in rank["warned"][0]
+        for p, a, b in zip(rank["params"], *replicas):
+            torch.testing.assert_close(p, (a + b) / 2, rtol=0, atol=1e-6)
+    for p, q in zip(out[0]["params"], out[1]["params"]):
+        assert torch.equal(p, q)
+    # averaged gradients in the warm-up: identical replicas, no warning
+    for rank in run_ranks(_rank_warmup_apart, 2, timeout_s=60, grads_averaged=True):
+        assert rank["rounds"] == 1 and rank["warned"] == []
