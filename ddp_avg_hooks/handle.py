@@ -73,6 +73,30 @@ def difference(key: str, theirs, mine, *, theirs_at: str = "there", mine_at: str
     return f"{key!r} differs: {theirs!r} {theirs_at}, {mine!r} {mine_at}"
 
 
+def align_anchors(buckets: list[ParamBucket], group) -> bool:
+    """Make the anchors of ``buckets`` the same on every rank of ``group``: where the
+    ranks' parameters differ, each anchor becomes their exact average, so that a hook
+    that sends the change since the anchor brings the replicas together at its first
+    round instead of keeping each one's offset. Returns whether they differed. Collective
+    on ``group`` when a bucket keeps an anchor (one all-gather of a checksum per bucket;
+    an all-reduce of the parameters only where they differ)."""
+    anchored = [b for b in buckets if b.has_anchor()]
+    if not anchored or not is_member(group) or dist.get_world_size(group) == 1:
+        return False
+    sums = torch.stack([bucket_checksum(b).cpu() for b in anchored])
+    if dist.get_backend(group) == "nccl":
+        sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sums, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return False
+    for bucket in anchored:
+        mean = torch.cat([p.detach().reshape(-1) for p in bucket.parameters()])
+        dist.all_reduce(mean, group=group)
+        bucket.stored_anchor().copy_(mean.div_(dist.get_world_size(group)))
+    return True
+
+
 class AveragingHandle:
     """What :func:`~ddp_avg_hooks.register_averaging_hook` returns: the schedule and the rounds.
 
@@ -254,35 +278,20 @@ class AveragingHandle:
 
     def _anchor_after_warmup(self) -> None:
         """Start the changes from here: the warm-up's averaged gradients kept the replicas
-        identical, so the anchors become the current parameters. Where the replicas differ
-        (gradients stayed local during the warm-up), the anchors become the replicas'
-        exact average instead, so that the first round brings them together rather than
-        keeping each replica's offset for good; a warning says so. Collective on the
-        averaging group (one small all-gather of checksums) when a bucket keeps anchors."""
+        identical, so the anchors become the current parameters; replicas that differ
+        (gradients stayed local during the warm-up) start from their average instead
+        (:func:`align_anchors`), with a warning."""
         for bucket in self._engine.buckets:
             bucket.reset_anchor()
-        anchored = [b for b in self._engine.buckets if b.has_anchor()]
-        group = self.process_group
-        if not anchored or not is_member(group) or dist.get_world_size(group) == 1:
-            return
-        sums = torch.stack([bucket_checksum(b).cpu() for b in anchored])
-        if dist.get_backend(group) == "nccl":
-            sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
-        gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, sums, group=group)
-        if all(torch.equal(g, gathered[0]) for g in gathered):
-            return
-        for bucket in anchored:
-            mean = torch.cat([p.detach().reshape(-1) for p in bucket.parameters()])
-            dist.all_reduce(mean, group=group)
-            bucket.stored_anchor().copy_(mean.div_(dist.get_world_size(group)))
-        warnings.warn(
-            f"the replicas' parameters differ at the end of the warm-up (step "
-            f"{self._step_count + 1} of warmup_steps={self._options.warmup_steps}): their "
-            "gradients were not averaged during it. The changes now start from the replicas' "
-            "average, so the first round brings them together; to average gradients during "
-            "the warm-up, register grad_hooks.local_sgd_grad_hook as the DDP comm hook, or "
-            "call grad_hooks.register_fsdp_grad_hooks for an FSDP2 model", stacklevel=3)
+        if align_anchors(self._engine.buckets, self.process_group):
+            warnings.warn(
+                f"the replicas' parameters differ at the end of the warm-up (step "
+                f"{self._step_count + 1} of warmup_steps={self._options.warmup_steps}): their "
+                "gradients were not averaged during it. The changes now start from the "
+                "replicas' average, so the first round brings them together; to average "
+                "gradients during the warm-up, register grad_hooks.local_sgd_grad_hook as the "
+                "DDP comm hook, or call grad_hooks.register_fsdp_grad_hooks for an FSDP2 model",
+                stacklevel=3)
 
     def _due_in_replica(self, fragment: int | None) -> int | None:
         """A time-based round is due on every rank of this replica group once it is due on

@@ -16,7 +16,7 @@ from .bucket import assign_buckets
 from .models import averaged_model
 from .errors import AveragingHookError
 from .errors import SettingsMismatchError
-from .handle import AveragingHandle, AveragingStats, difference, setting_name
+from .handle import AveragingHandle, AveragingStats, align_anchors, difference, setting_name
 from .observers import make_observers
 from .options import AveragingOptions
 from .planner import split_fragments
@@ -175,6 +175,13 @@ def register_averaging_hook(
                          observers=make_observers(opts))
     handle = AveragingHandle(engine, opts, model=model)
     _agree_across_ranks(handle, group)
+    if opts.warmup_steps == 0 and align_anchors(buckets, group):
+        warnings.warn(
+            "register_averaging_hook: the replicas' parameters differ at registration, so "
+            "the changes start from their average and the first round brings them together. "
+            "Start every replica from the same model: DistributedDataParallel broadcasts "
+            "rank 0's at construction; FSDP2 replica groups must initialize alike (the same "
+            "seed before building the model, or load the same weights)", stacklevel=2)
     for bucket in buckets:
         spec.prepare(state, bucket)
     if optimizer is not None:

@@ -367,3 +367,34 @@ def _rank_warmup_without_grad_hooks(rank, world_size):
 def test_replicas_apart_after_an_fsdp2_warm_up_meet_at_the_first_round():
     for out in run_ranks(_rank_warmup_without_grad_hooks, 4, timeout_s=120):
         assert out["warned"] == 1 and out["gaps"] == [0.0, 0.0]
+
+
+def _rank_init_apart(rank, world_size):
+    """FSDP2 replica groups built from different seeds (FSDP2 broadcasts nothing across
+    them), int8 rounds from registration on."""
+    import warnings
+
+    import torch.distributed as dist
+
+    model, replicate = F.sharded_model(2, seed=rank // 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = dah.register_averaging_hook(model, h.int8_compress_hook,
+                                             h.QuantizedDeltaState(process_group=replicate),
+                                             period=PERIOD, optimizer=opt)
+    gaps = []
+    for step in range(2 * PERIOD):
+        F.train_step(model, opt, rank, step)
+        if (handle.step_count - 1) % PERIOD == 0:  # a round just ran
+            full = F.full_params(model)
+            both = [torch.empty_like(full) for _ in range(world_size)]
+            dist.all_gather(both, full)
+            gaps.append(float((both[0] - both[2]).abs().max()))
+    handle.remove()
+    return {"gaps": gaps, "warned": sum("at registration" in str(w.message) for w in caught)}
+
+
+def test_fsdp2_replicas_built_apart_meet_at_the_first_round_with_a_warning():
+    for out in run_ranks(_rank_init_apart, 4, timeout_s=120):
+        assert out["warned"] == 1 and out["gaps"] == [0.0, 0.0]

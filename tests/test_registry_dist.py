@@ -387,3 +387,40 @@ def test_replicas_apart_after_the_warm_up_meet_at_the_first_round_with_a_warning
     # averaged gradients in the warm-up: identical replicas, no warning
     for rank in run_ranks(_rank_warmup_apart, 2, timeout_s=60, grads_averaged=True):
         assert rank["rounds"] == 1 and rank["warned"] == []
+
+
+def _rank_apart_at_registration(rank, world_size):
+    import warnings
+
+    model = make_model()
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, _keep_local)
+    with torch.no_grad():  # replicas made to differ after DDP's broadcast
+        for p in model.parameters():
+            p.add_(0.01 * (rank + 1))
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = dah.register_averaging_hook(ddp, _exact_delta_hook, None, period=2)
+    train_step(ddp, opt, rank, 0)
+    handle.step()  # the first round (no warm-up)
+    return {"params": params_of(model), "rounds": handle.stats.rounds,
+            "warned": [str(w.message) for w in caught if "at registration" in str(w.message)]}
+
+
+def test_replicas_apart_at_registration_meet_at_the_first_round_with_a_warning():
+    out = run_ranks(_rank_apart_at_registration, 2, timeout_s=60)
+    replicas = []
+    for r in range(2):  # reference: each replica's own step from its own start, averaged
+        model = make_model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * (r + 1))
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        train_step(model, opt, r, 0)
+        replicas.append(params_of(model))
+    for rank in out:
+        assert rank["rounds"] == 1 and len(rank["warned"]) == 1
+        assert "initialize alike" in rank["warned"][0]
+        for p, a, b in zip(rank["params"], *replicas):
+            torch.testing.assert_close(p, (a + b) / 2, rtol=0, atol=1e-6)
