@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ._groups import is_member
 
-__all__ = ["Background", "allreduce_sum", "completed", "exact_average"]
+__all__ = ["Background", "allreduce_sum", "completed", "exact_average", "gather_small"]
 
 
 def completed(value) -> torch.futures.Future:
@@ -53,6 +53,24 @@ def exact_average(group: dist.ProcessGroup, bucket) -> torch.futures.Future:
     else:
         buffer = bucket.buffer().div_(world_size)
     return allreduce_sum(group, buffer, bucket)
+
+
+def gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (a few numbers, on the CPU) over ``group``, in group rank
+    order: a blocking all-gather on the device the group's backend needs (CUDA for NCCL).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> [t.tolist() for t in gather_small(torch.tensor([3, 4]), dist.group.WORLD)]
+        [[3, 4]]
+        >>> dist.destroy_process_group()
+    """
+    if dist.get_backend(group) == "nccl":
+        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, tensor, group=group)
+    return gathered
 
 
 class Background:

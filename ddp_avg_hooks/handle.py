@@ -16,6 +16,7 @@ import torch.distributed as dist
 from . import memory
 from ._groups import is_member
 from .bucket import ParamBucket
+from .collectives import gather_small
 from .errors import SettingsMismatchError
 from .grad_hooks import ReducerSwitch
 from .models import AveragedModel
@@ -83,11 +84,7 @@ def align_anchors(buckets: list[ParamBucket], group) -> bool:
     anchored = [b for b in buckets if b.has_anchor()]
     if not anchored or not is_member(group) or dist.get_world_size(group) == 1:
         return False
-    sums = torch.stack([bucket_checksum(b).cpu() for b in anchored])
-    if dist.get_backend(group) == "nccl":
-        sums = sums.to(torch.device("cuda", torch.cuda.current_device()))
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, sums, group=group)
+    gathered = gather_small(torch.stack([bucket_checksum(b).cpu() for b in anchored]), group)
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return False
     for bucket in anchored:

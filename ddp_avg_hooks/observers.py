@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._groups import is_member
+from .collectives import gather_small
 from .errors import AveragingHookError
 
 
@@ -114,10 +115,7 @@ class AgreementCheck(RoundObserver):
         sums = [bucket_checksum(b, anchor=self._overlap and b.has_anchor()).cpu()
                 for b in buckets]
         local = torch.stack([torch.tensor(handle.step_count, dtype=torch.int64), *sums])
-        if dist.get_backend(group) == "nccl":
-            local = local.to(torch.device("cuda", torch.cuda.current_device()))
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, local, group=group)
+        gathered = gather_small(local, group)
         name = handle.hook_name
         for rank, other in enumerate(gathered):
             if other[0] != gathered[0][0]:

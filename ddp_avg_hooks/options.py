@@ -107,7 +107,7 @@ class AveragingOptions:
         "`\"keep\"`, `\"average\"` or `\"reset\"`: what a round does to the optimizer's "
         "momentum and Adam moments (average them exactly, or zero them); needs `optimizer=`. "
         "With `\"average\"`, each round first checks that every rank holds the same state "
-        "tensors (one small all-reduce): state that differs, from another optimizer class "
+        "tensors (one small all-gather): state that differs, from another optimizer class "
         "or settings, is a `SettingsMismatchError` on every rank"),
         agreed=True)
     on_round: Callable | None = _option(None, (

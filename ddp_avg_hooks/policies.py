@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import ParamBucket, assign_buckets
+from .collectives import gather_small
 from .errors import SettingsMismatchError
 from .models import local_tensor
 
@@ -130,18 +131,14 @@ def check_buckets_agree(policies: list[RoundPolicy], buckets: list[ParamBucket],
     """Raise :class:`~ddp_avg_hooks.errors.SettingsMismatchError` on every rank of
     ``group`` unless all hold ``buckets`` (the policies' of this round) of the same sizes
     and dtypes: averaging buckets that differ would abort the process or hang.
-    Collective on ``group`` (one int64 all-reduce; a gather of the policies' descriptions
-    only when they differ)."""
+    Collective on ``group`` (one all-gather of an int64 hash of the layout; a gather of
+    the policies' descriptions only when they differ)."""
     world = dist.get_world_size(group)
     if world == 1:
         return
     layout = repr([(b.numel(), str(b.dtype)) for b in buckets]).encode()
     mine = int.from_bytes(hashlib.blake2b(layout, digest_size=7).digest(), "little")
-    seen = torch.tensor([mine, -mine], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        seen = seen.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-    if int(seen[0]) == mine and -int(seen[1]) == mine:
+    if all(int(h) == mine for h in gather_small(torch.tensor([mine]), group)):
         return
     described: list = [None] * world
     dist.all_gather_object(described, [entry for p in policies for entry in p.describe()],
