@@ -224,6 +224,16 @@ class AveragingHandle:
         return self._engine.name
 
     @property
+    def hook_state(self):
+        """The ``state`` passed to every hook call (the one given at registration)."""
+        return self._engine.state
+
+    @property
+    def removed(self) -> bool:
+        """Whether :meth:`remove` has run: the handle averages nothing more."""
+        return self._removed
+
+    @property
     def rounds_started(self) -> int:
         """Rounds launched so far, the same on every rank after every step, overlap or not
         (``stats.rounds`` counts the finished ones)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,48 @@ def warn_on_shared_elastic_store() -> bool:
         "environment, with --standalone or --rdzv-backend c10d alike",
         stacklevel=3)
     return True
+
+
+_STATE_HOLDERS: dict[int, weakref.ref] = {}
+
+
+def _states_with_memory(state, spec) -> list:
+    """``state`` and the state it wraps (``OuterOptimizerState.inner_state``), when the
+    hook keeps memory per bucket in them; ``None`` and process groups keep none."""
+    out = []
+    while spec.prepare_bucket is not None and state is not None \
+            and not isinstance(state, dist.ProcessGroup):
+        out.append(state)
+        state = getattr(state, "inner_state", None)
+    return out
+
+
+def _check_state_free(state, spec) -> None:
+    """Refuse a hook state with memory per bucket (error-feedback residuals, PowerSGD's
+    factors, an outer optimizer's momentum) that a live registration already uses: two
+    models sharing it would mix that memory, and buckets of equal sizes would not even
+    fail. ``None`` and a process group may be shared."""
+    for held in _states_with_memory(state, spec):
+        ref = _STATE_HOLDERS.get(id(held))
+        holder = ref() if ref is not None else None
+        if holder is not None and not holder.removed and any(
+                s is held for s in _states_with_memory(holder.hook_state, spec)):
+            raise ValueError(
+                f"register_averaging_hook: this {type(held).__name__} already serves a live "
+                f"registration ({holder!r}); its memory per bucket (residuals, factors, "
+                "momentum) belongs to that model. Give each registration a state of its own, "
+                "or call remove() on the other handle first (a state kept across remove() "
+                "and registering again resumes its memory)")
+
+
+def _hold_state(state, spec, handle: AveragingHandle) -> None:
+    """Record that ``handle`` uses ``state`` (see :func:`_check_state_free`)."""
+    for key, ref in list(_STATE_HOLDERS.items()):  # forget handles gone or removed
+        holder = ref()
+        if holder is None or holder.removed:
+            del _STATE_HOLDERS[key]
+    for held in _states_with_memory(state, spec):
+        _STATE_HOLDERS[id(held)] = weakref.ref(handle)
 
 
 def _agree_across_ranks(handle: AveragingHandle, group) -> None:
@@ -111,6 +154,9 @@ def register_averaging_hook(
             replicate group (see :mod:`ddp_avg_hooks.models`).
         hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``hooks.allreduce_hook``.
         state: passed to every hook call (``None`` or a process group for the built-ins).
+            A state with memory per bucket (``QuantizedDeltaState``, ``PowerSGDState``,
+            ...) serves one live registration at a time: another is refused until the
+            first handle's ``remove()``.
         period: average every ``period`` steps after the warm-up (``>= 1``), or a
             schedule from ``ddp_avg_hooks.schedules``.
         warmup_steps: steps before the first round, during which DDP still averages
@@ -149,6 +195,7 @@ def register_averaging_hook(
         model.check_optimizer(optimizer, "register_averaging_hook: optimizer=")
     spec = hook_spec(hook)
     spec.validate(state)
+    _check_state_free(state, spec)
 
     params = model.params
     if opts.zero_copy:
@@ -184,6 +231,7 @@ def register_averaging_hook(
             "seed before building the model, or load the same weights)", stacklevel=2)
     for bucket in buckets:
         spec.prepare(state, bucket)
+    _hold_state(state, spec, handle)
     if optimizer is not None:
         handle.attach_optimizer(optimizer)
     return handle

@@ -108,6 +108,76 @@ def test_rejects_bad_hook_and_state(world1):
         dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, {"group": 1})
 
 
+_STATEFUL = {
+    "int8": lambda: (dah.hooks.int8_compress_hook, dah.hooks.QuantizedDeltaState()),
+    "fp16": lambda: (dah.hooks.fp16_compress_hook, dah.hooks.HalfDeltaState()),
+    "powersgd": lambda: (dah.hooks.powersgd_hook,
+                         dah.hooks.PowerSGDState(matrix_approximation_rank=1)),
+    "outer": lambda: (dah.hooks.outer_optimizer(dah.hooks.int8_compress_hook),
+                      dah.hooks.OuterOptimizerState(dah.hooks.QuantizedDeltaState())),
+}
+
+
+def _tensors(tree):
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [t for item in tree for t in _tensors(item)]
+    return []
+
+
+@pytest.mark.parametrize("kind", sorted(_STATEFUL))
+def test_state_with_memory_serves_one_live_registration(world1, kind):
+    hook, state = _STATEFUL[kind]()
+    first, second = DDP(_mlp(16, 16, 16)), DDP(_mlp(16, 16, 16, seed=1))  # equal buckets
+    handle = dah.register_averaging_hook(first, hook, state, period=2)
+    for _ in range(4):  # rounds of changes that compress with an error fill the memory
+        with torch.no_grad():
+            for p in first.parameters():
+                p.add_(torch.randn_like(p) / 3)
+        handle.step()
+    memory = _tensors(state.state_dict())
+    assert memory and any(t.abs().sum() > 0 for t in memory)
+    with pytest.raises(ValueError, match="already serves a live registration.*remove"):
+        dah.register_averaging_hook(second, hook, state, period=2)
+    handle.remove()
+    again = dah.register_averaging_hook(second, hook, state, period=2)
+    assert again.hook_state is state and handle.removed and not again.removed
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(state.state_dict()), memory))
+
+
+def test_state_wrapped_by_an_outer_state_serves_one_live_registration(world1):
+    inner = dah.hooks.QuantizedDeltaState()
+    outer = dah.hooks.outer_optimizer(dah.hooks.int8_compress_hook)
+    handle = dah.register_averaging_hook(DDP(_mlp(3, 2)), outer,
+                                         dah.hooks.OuterOptimizerState(inner))
+    with pytest.raises(ValueError, match="QuantizedDeltaState already serves a live"):
+        dah.register_averaging_hook(DDP(_mlp(3, 2)), dah.hooks.int8_compress_hook, inner)
+    handle.remove()
+    dah.register_averaging_hook(DDP(_mlp(3, 2)), dah.hooks.int8_compress_hook, inner)
+
+
+def test_state_of_a_handle_gone_is_free(world1):
+    import gc
+    state = dah.hooks.QuantizedDeltaState()
+    handle = dah.register_averaging_hook(DDP(_mlp(3, 2)), dah.hooks.int8_compress_hook, state)
+    del handle
+    gc.collect()
+    again = dah.register_averaging_hook(DDP(_mlp(3, 2)), dah.hooks.int8_compress_hook, state)
+    assert again.hook_state is state
+
+
+def test_states_without_memory_may_be_shared(world1):
+    import torch.distributed as dist
+    group = dist.new_group([0])
+    for hook, state in [(dah.hooks.allreduce_hook, None), (dah.hooks.int8_compress_hook, None),
+                        (dah.hooks.int8_compress_hook, group)]:
+        handles = [dah.register_averaging_hook(DDP(_mlp(3, 2)), hook, state) for _ in range(2)]
+        assert all(not h.removed for h in handles)
+
+
 def test_rejects_model_without_trainable_parameters(world1):
     model = _mlp(3, 2)
     ddp = DDP(model)

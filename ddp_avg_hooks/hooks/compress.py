@@ -78,8 +78,9 @@ class HalfDeltaState(DeltaState):
             memory of a float32 one, and it loses at most ``2**-8`` of what it carries
             per round; see the module docstring's bounds). ``None``: the bucket's dtype.
 
-    One state per registration: residuals are keyed by ``bucket.index()``.
-    ``state_dict()`` holds this rank's residuals (they differ between ranks).
+    One state per registration (a second live registration with it is refused):
+    residuals are keyed by ``bucket.index()``. ``state_dict()`` holds this rank's
+    residuals (they differ between ranks).
 
     Example:
         >>> import torch

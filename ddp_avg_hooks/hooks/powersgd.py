@@ -89,9 +89,10 @@ class PowerSGDState:
             Must be > 0; far below any norm that matters by default.
         seed: seed of the ``Q`` draws; every rank must use the same one.
 
-    One state per registration: memory is keyed by ``bucket.index()``. ``round`` counts
-    averaging rounds (it advances on the last bucket). ``state_dict()`` holds the round,
-    this rank's error feedback and ``Q`` of every bucket.
+    One state per registration (a second live registration with it is refused):
+    memory is keyed by ``bucket.index()``. ``round`` counts averaging rounds (it
+    advances on the last bucket). ``state_dict()`` holds the round, this rank's error
+    feedback and ``Q`` of every bucket.
 
     Example:
         >>> from ddp_avg_hooks.hooks import PowerSGDState

@@ -129,8 +129,9 @@ class QuantizedDeltaState(DeltaState):
             ``True``).
         process_group: group to average over; ``None`` means the default group.
 
-    One state per registration: residuals are keyed by ``bucket.index()``.
-    ``state_dict()`` holds this rank's residuals (they differ between ranks).
+    One state per registration (a second live registration with it is refused):
+    residuals are keyed by ``bucket.index()``. ``state_dict()`` holds this rank's
+    residuals (they differ between ranks).
 
     Example:
         >>> from ddp_avg_hooks.hooks import QuantizedDeltaState
