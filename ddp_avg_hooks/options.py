@@ -96,7 +96,9 @@ class AveragingOptions:
         "so the step it lands at, and the run's results, no longer depend on timing, and a "
         "run resumed from any save repeats the one that saved. `1` keeps rounds as fresh as "
         "they can be; a round that takes longer than that many steps makes training wait "
-        "for it (the comm wait). Not with time-based rounds (`EverySeconds`)"), agreed=True)
+        "for it (the comm wait). At most the period (a round must land before its "
+        "fragment's next round starts; with a changing period, a round still in flight then "
+        "lands there). Not with time-based rounds (`EverySeconds`)"), agreed=True)
     track_consensus: bool = _option(False, (
         "bool: measure the replicas' mean squared distance from their average at each "
         "round, `stats.consensus_distance` (one scalar all-reduce)"), agreed=True)
@@ -232,6 +234,13 @@ class AveragingOptions:
                 "overlap_steps= applies a round a fixed number of steps after its launch, "
                 "but EverySeconds starts the next round's clock when a round completes: drop "
                 "overlap_steps (or use an int period)")
+        if self.overlap_steps is not None and isinstance(self.schedule, ConstantPeriod) \
+                and self.overlap_steps > self.schedule.current:
+            raise ValueError(
+                f"overlap_steps={self.overlap_steps} is more than the period "
+                f"({self.schedule.current}): a round must be applied before its fragment's "
+                f"next round starts, one period after its launch; pass overlap_steps <= "
+                f"{self.schedule.current}")
         if self.fragments > 1 and not (timed or isinstance(self.schedule, ConstantPeriod)):
             raise ValueError(
                 f"fragments={self.fragments} needs an int period or schedules.EverySeconds, "
