@@ -224,11 +224,6 @@ class AveragingHandle:
         return self._engine.name
 
     @property
-    def hook_state(self):
-        """The ``state`` passed to every hook call (the one given at registration)."""
-        return self._engine.state
-
-    @property
     def removed(self) -> bool:
         """Whether :meth:`remove` has run: the handle averages nothing more."""
         return self._removed

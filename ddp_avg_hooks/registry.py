@@ -74,7 +74,7 @@ def _check_state_free(state, spec) -> None:
         ref = _STATE_HOLDERS.get(id(held))
         holder = ref() if ref is not None else None
         if holder is not None and not holder.removed and any(
-                s is held for s in _states_with_memory(holder.hook_state, spec)):
+                s is held for s in _states_with_memory(holder.state, spec)):
             raise ValueError(
                 f"register_averaging_hook: this {type(held).__name__} already serves a live "
                 f"registration ({holder!r}); its memory per bucket (residuals, factors, "

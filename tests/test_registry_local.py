@@ -144,7 +144,7 @@ def test_state_with_memory_serves_one_live_registration(world1, kind):
         dah.register_averaging_hook(second, hook, state, period=2)
     handle.remove()
     again = dah.register_averaging_hook(second, hook, state, period=2)
-    assert again.hook_state is state and handle.removed and not again.removed
+    assert again.state is state and handle.removed and not again.removed
     assert all(torch.equal(a, b) for a, b in zip(_tensors(state.state_dict()), memory))
 
 
@@ -166,7 +166,7 @@ def test_state_of_a_handle_gone_is_free(world1):
     del handle
     gc.collect()
     again = dah.register_averaging_hook(DDP(_mlp(3, 2)), dah.hooks.int8_compress_hook, state)
-    assert again.hook_state is state
+    assert again.state is state
 
 
 def test_states_without_memory_may_be_shared(world1):
