@@ -12,6 +12,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import memory
 from ._groups import is_member
@@ -94,7 +95,7 @@ def align_anchors(buckets: list[ParamBucket], group) -> bool:
     return True
 
 
-class AveragingHandle:
+class AveragingHandle(Joinable):
     """What :func:`~ddp_avg_hooks.register_averaging_hook` returns: the schedule and the rounds.
 
     Call :meth:`step` after every optimizer step (or register with ``optimizer=``).
@@ -122,6 +123,14 @@ class AveragingHandle:
     completes (see ``schedules.EverySeconds``). ``average()``, ``state_dict()`` and
     ``remove()`` finish the rounds in flight first.
 
+    Uneven inputs: train inside ``torch.distributed.algorithms.join.Join([ddp, handle])``
+    (the DDP model first), as with DDP alone. A rank whose inputs run out keeps taking
+    part in the rounds of the ranks still training, its parameters unchanged since it
+    joined (a change of zero, as DDP's joined ranks send zero gradients); at the end DDP
+    gives every rank the model of the last rank to join. Inside ``Join`` each
+    ``step()`` must follow exactly one forward of the DDP model (``Join`` counts forwards
+    as steps): accumulate gradients or evaluate outside it, or through ``ddp.module``.
+
     Example:
         >>> import torch, torch.distributed as dist
         >>> import ddp_avg_hooks as dah
@@ -140,6 +149,7 @@ class AveragingHandle:
 
     def __init__(self, engine: RoundEngine, options: AveragingOptions, *,
                  model: AveragedModel | None = None) -> None:
+        super().__init__()  # Joinable: not inside a Join until one is made
         self._engine = engine
         self.state = engine.state
         self._options = options
@@ -158,6 +168,8 @@ class AveragingHandle:
         self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
         self._removed = False
+        self._forwards = 0  # DDP forwards since the last step, counted once in a Join
+        self._forward_counter = None
         self._schedule.bind(self.process_group)
         # time-based rounds of a sharded model: the ranks of a replica group step together,
         # so they decide together whether a round is due (one flag, inside the group)
@@ -253,9 +265,12 @@ class AveragingHandle:
                 "handle.detach_optimizer() to step the handle yourself")
         return self._advance()
 
-    def _advance(self) -> bool:
-        """:meth:`step`'s work; the optimizer's post-hook calls it directly."""
+    def _advance(self, *, joined: bool = False) -> bool:
+        """:meth:`step`'s work; the optimizer's post-hook calls it directly, and inside a
+        ``Join`` a rank whose inputs ran out (``joined``) once per step of the others."""
         self._check_alive("step")
+        if not joined and self._join_config.enable:
+            self._notify_join()
         if self._plan.timed:  # applying a round starts the clock of the next one
             overdue = self._plan.in_round_for() >= self._schedule.seconds
             for rnd in list(self._in_flight):
@@ -524,11 +539,75 @@ class AveragingHandle:
             self._optimizer_hook = None
         if self.reducer_switch is not None:
             self.reducer_switch.release()
+        if self._forward_counter is not None:
+            self._forward_counter.remove()
+            self._forward_counter = None
         try:
             self.synchronize()
         finally:
             self._removed = True
             self._engine.buckets, self._engine.policies = [], []
+
+    # --- uneven inputs: torch.distributed.algorithms.join.Join -------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        """What this rank does inside ``Join([ddp, handle])`` once its inputs run out
+        (``Join`` calls it; its keyword arguments are DDP's, none is read here)."""
+        if self._model is not None and self._model.sharded:
+            raise ValueError(
+                "Join([...]) with the handle of an FSDP2 model: a rank whose inputs ran out "
+                "cannot stand in for FSDP2's all-gathers in the others' forward and "
+                "backward. Give every rank the same number of batches (drop_last=True in "
+                "the DistributedSampler, or stop all ranks at the smallest count)")
+        ddp = self._model.ddp() if self._model is not None and self._model.ddp else None
+        if ddp is not None and ddp.process_group != self.process_group:
+            raise ValueError(
+                "Join([ddp, handle]): the rounds average over another process group than "
+                "DDP's gradients, and Join counts the ranks of one group. Use Join with "
+                "the handle of a registration over DDP's group")
+        if ddp is not None and self._forward_counter is None:
+            self._forwards = 0
+            self._forward_counter = ddp.register_forward_pre_hook(self._count_forward)
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of ``Join``'s small all-reduces over :attr:`join_process_group`."""
+        if dist.get_backend(self.process_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        """The group whose ranks ``Join`` counts: the rounds' group."""
+        return self.process_group
+
+    def _count_forward(self, module, args) -> None:
+        self._forwards += 1
+
+    def _notify_join(self) -> None:
+        """Inside an enabled ``Join``, on a rank still training: check that the DDP model
+        comes first and that one forward preceded this step, then tell ``Join`` that this
+        rank has not joined (a no-op unless the handle is ``Join``'s first joinable)."""
+        ddp = self._model.ddp() if self._model is not None and self._model.ddp else None
+        where = f"step {self._step_count}"
+        if ddp is not None:
+            ddp_config = getattr(ddp, "_join_config", None)
+            if ddp_config is None or not ddp_config.enable or not ddp_config.is_first_joinable:
+                raise RuntimeError(
+                    f"AveragingHandle.step() inside Join ({where}): pass the DDP model to "
+                    "Join first, Join([ddp, handle, ...]): a rank whose inputs ran out stands "
+                    "in for DDP's forward and backward first, then for the round")
+            forwards, self._forwards = self._forwards, 0
+            if forwards != 1:
+                raise RuntimeError(
+                    f"AveragingHandle.step() inside Join ({where}) after {forwards} forwards "
+                    "of the DDP model since the last step: Join counts each forward as one "
+                    "step of the ranks still training, so each step() must follow exactly "
+                    "one. Accumulate gradients or evaluate outside the Join, or through "
+                    "ddp.module")
+        work = Join.notify_join_context(self)
+        if work is not None:
+            work.wait()
 
     def __repr__(self) -> str:
         return (
@@ -536,3 +615,22 @@ class AveragingHandle:
             f"warmup_steps={self._options.warmup_steps}, step_count={self._step_count}, "
             f"buckets={len(self._engine.buckets)})"
         )
+
+
+class _ShadowSteps(JoinHook):
+    """Inside ``Join``: a rank whose inputs ran out takes one handle step for each step
+    of the ranks still training, so each round still has every rank; when all have
+    joined, the rounds in flight are applied and, if there were any, one exact average
+    makes the replicas equal again (their late corrections differ)."""
+
+    def __init__(self, handle: AveragingHandle) -> None:
+        self._handle = handle
+
+    def main_hook(self) -> None:
+        self._handle._advance(joined=True)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        in_flight = bool(self._handle.rounds_in_flight)
+        self._handle.synchronize()
+        if in_flight:
+            self._handle.average()

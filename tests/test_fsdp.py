@@ -252,6 +252,12 @@ def _rank_refusals(rank, world_size):
         dah.grad_hooks.register_fsdp_grad_hooks(other, handle)
     except ValueError as exc:
         messages["other_model"] = str(exc)
+    # Join: a rank out of inputs cannot stand in for FSDP2's all-gathers
+    from torch.distributed.algorithms.join import Join
+    try:
+        Join([handle])
+    except ValueError as exc:
+        messages["join"] = str(exc)
     handle.remove()
     return messages
 
@@ -263,6 +269,7 @@ def test_wrong_groups_and_native_hsdp_are_refused_on_every_rank():
         assert "2-D mesh" in messages["hsdp"] and "mesh['shard']" in messages["hsdp"]
         assert "must be the AveragingHandle" in messages["grad_hooks_handle"]
         assert "the handle averages another model" in messages["other_model"]
+        assert "Join([...]) with the handle of an FSDP2 model" in messages["join"]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # FSDP1's deprecation notice
