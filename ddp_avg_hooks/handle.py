@@ -130,6 +130,7 @@ class AveragingHandle(Joinable):
     gives every rank the model of the last rank to join. Inside ``Join`` each
     ``step()`` must follow exactly one forward of the DDP model (``Join`` counts forwards
     as steps): accumulate gradients or evaluate outside it, or through ``ddp.module``.
+    Not for FSDP2 models, nor with time-based rounds (end those on a round count).
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -558,6 +559,12 @@ class AveragingHandle(Joinable):
                 "cannot stand in for FSDP2's all-gathers in the others' forward and "
                 "backward. Give every rank the same number of batches (drop_last=True in "
                 "the DistributedSampler, or stop all ranks at the smallest count)")
+        if self._plan.timed:
+            raise ValueError(
+                "Join([...]) with time-based rounds (EverySeconds): Join stands in for the "
+                "others' steps one for one, while these rounds let ranks take different "
+                "numbers of steps already. End the run on a round count instead, on every "
+                "rank: while handle.rounds_started < rounds: ...")
         ddp = self._model.ddp() if self._model is not None and self._model.ddp else None
         if ddp is not None and ddp.process_group != self.process_group:
             raise ValueError(

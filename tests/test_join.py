@@ -23,9 +23,8 @@ def _rank_uneven(rank, world_size, batches, hook="allreduce", options=None,
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
     hooks = {"allreduce": (dah.hooks.allreduce_hook, None),
              "int8": (dah.hooks.int8_compress_hook, dah.hooks.QuantizedDeltaState())}
-    handle = dah.register_averaging_hook(ddp, *hooks[hook], period=PERIOD,
-                                         warmup_steps=WARMUP, optimizer=opt,
-                                         **(options or {}))
+    handle = dah.register_averaging_hook(ddp, *hooks[hook], warmup_steps=WARMUP,
+                                         optimizer=opt, **{"period": PERIOD, **(options or {})})
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
     order = {"ddp": ddp, "handle": handle}
     try:
@@ -129,3 +128,19 @@ def _rank_two_forwards(rank, world_size):
 def test_join_refuses_two_forwards_a_step():
     for message in run_ranks(_rank_two_forwards, 2, timeout_s=90, pg_timeout_s=60):
         assert message is not None and "after 2 forwards of the DDP model" in message
+
+
+def test_join_refuses_time_based_rounds_and_another_group(world1):
+    import torch.distributed as dist
+    from _helpers import make_model
+
+    ddp = DDP(make_model())
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None,
+                                         period=dah.schedules.EverySeconds(1.0))
+    with pytest.raises(ValueError, match="time-based rounds.*rounds_started < rounds"):
+        Join([ddp, handle])
+    handle.remove()
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, dist.new_group([0]))
+    with pytest.raises(ValueError, match="another process group than DDP's"):
+        Join([ddp, handle])
+    handle.remove()
