@@ -1,5 +1,6 @@
 """Run under torchrun (2 ranks) by test_integrations.py: the Accelerate example, then
-parity with ``accelerate.local_sgd.LocalSGD``, a second ``with`` block, ``enabled=False``.
+parity with ``accelerate.local_sgd.LocalSGD``, a second ``with`` block, uneven inputs
+under ``Join``, ``enabled=False``.
 
 Rank 0 prints one ``check <name>: ...`` line per check; any failed check raises.
 """
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
+from torch.distributed.algorithms.join import Join
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
@@ -80,6 +82,20 @@ def main():
             rounds = local_sgd.handle.stats.rounds
         report(f"block_{block}_rounds_and_agree", rounds == 2 and ex.spread(model) == 0.0,
                f"rounds {rounds}")
+
+    # uneven inputs: torch's Join of the prepared model and the handle (Accelerate's
+    # join_uneven_inputs does nothing on CPU processes)
+    model = accelerator.prepare(ex.make_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with LocalSGD(accelerator, model, 3) as local_sgd:
+        with Join([model, local_sgd.handle]):
+            for _ in range(7 + 3 * dist.get_rank()):  # rank 1 has 3 batches more
+                x = torch.randn(8, 16) * (1 + dist.get_rank())
+                accelerator.backward(model(x).pow(2).mean())
+                opt.step(); opt.zero_grad(); local_sgd.step()
+        steps, rounds = local_sgd.handle.step_count, local_sgd.handle.stats.rounds
+    report("uneven_inputs_join", steps == 10 and rounds == 4 and ex.spread(model) == 0.0,
+           f"steps {steps}, rounds {rounds}")
 
     off = LocalSGD(accelerator, model, 3, enabled=False)
     with off:

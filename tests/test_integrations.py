@@ -80,7 +80,7 @@ def test_accelerate():
                 "accelerate: replicas agree",
                 ["parity_accelerate_local_sgd", "replicas_agree_on_exit",
                  "reducer_off_after_warmup", "block_0_rounds_and_agree",
-                 "block_1_rounds_and_agree", "disabled_is_noop"])
+                 "block_1_rounds_and_agree", "uneven_inputs_join", "disabled_is_noop"])
 
 
 @pytest.mark.slow
