@@ -12,7 +12,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from . import memory
 from ._groups import is_member
@@ -571,8 +571,8 @@ class AveragingHandle(Joinable):
                 "Join([ddp, handle]): the rounds average over another process group than "
                 "DDP's gradients, and Join counts the ranks of one group. Use Join with "
                 "the handle of a registration over DDP's group")
+        self._forwards = 0
         if ddp is not None and self._forward_counter is None:
-            self._forwards = 0
             self._forward_counter = ddp.register_forward_pre_hook(self._count_forward)
         return _ShadowSteps(self)
 
@@ -641,3 +641,5 @@ class _ShadowSteps(JoinHook):
         self._handle.synchronize()
         if in_flight:
             self._handle.average()
+        # out of the Join: its rules (one forward a step, DDP first) no longer apply
+        self._handle._join_config = _JoinConfig.construct_disabled_join_config()

@@ -115,18 +115,26 @@ def _rank_two_forwards(rank, world_size):
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
                                          optimizer=opt)
+    def accumulated_step():
+        opt.zero_grad()
+        (loss_of(ddp, rank, 0) + loss_of(ddp, rank, 1)).backward()
+        opt.step()
+
+    with Join([ddp, handle]):  # even inputs, one forward a step
+        loss_of(ddp, rank, 2).backward()
+        opt.step()
+    accumulated_step()  # after the block: allowed again
     try:
         with Join([ddp, handle]):
-            opt.zero_grad()
-            (loss_of(ddp, rank, 0) + loss_of(ddp, rank, 1)).backward()
-            opt.step()
+            accumulated_step()
     except RuntimeError as exc:
-        return str(exc)
-    return None
+        return handle.step_count, str(exc)
+    return handle.step_count, None
 
 
-def test_join_refuses_two_forwards_a_step():
-    for message in run_ranks(_rank_two_forwards, 2, timeout_s=90, pg_timeout_s=60):
+def test_join_refuses_two_forwards_a_step_inside_and_not_after():
+    for steps, message in run_ranks(_rank_two_forwards, 2, timeout_s=90, pg_timeout_s=60):
+        assert steps == 2
         assert message is not None and "after 2 forwards of the DDP model" in message
 
 
