@@ -67,11 +67,11 @@ def ddp_bytes(model, steps: int) -> int:
     return steps * 4 * sum(p.numel() for p in model.parameters())
 
 
-def check_agreement(worst: float) -> None:
-    """Fail if the replicas differed after a round; else say they agreed."""
+def check_agreement(worst: float, when: str = "after every round") -> None:
+    """Fail if the replicas differed (``when`` they were compared); else say they agreed."""
     if worst > 1e-6:
-        raise SystemExit(f"rank {dist.get_rank()}: replicas disagree after a round by {worst:.1e}")
-    say(f"replicas agreed after every round (largest difference {worst:.1e})")
+        raise SystemExit(f"rank {dist.get_rank()}: replicas disagree {when} by {worst:.1e}")
+    say(f"replicas agreed {when} (largest difference {worst:.1e})")
 
 
 def shutdown() -> None:

@@ -53,3 +53,15 @@ def test_example_trains_and_replicas_agree(script, nproc, args):
     assert m, out
     if m.groups():  # fewer bytes than DDP's gradient all-reduce at every step
         assert float(m.group(1)) > 2, out
+
+
+@pytest.mark.slow
+def test_local_sgd_example_with_uneven_inputs():
+    """Rank 1 has 20 batches fewer: inside Join it still takes part in every round, and
+    both ranks end with the same model, as trained as the even run's."""
+    out = _torchrun("local_sgd.py", 2, "--uneven", "20")
+    assert "1 of 2 ranks ran out of batches early; every rank took part in all 7 rounds " \
+        "(66 steps)" in out, out
+    assert "replicas agreed at the end" in out, out
+    before, after = _losses(out)
+    assert after < 0.5 * before, out

@@ -14,7 +14,8 @@ and the wheel. Then, from that folder:
    ``python -m torch.distributed.run --standalone --nproc-per-node 2`` and both ranks
    print their ``AveragingStats``;
 4. two of the repository's examples, copied next to it, train against the installed
-   package: ``examples/local_sgd.py`` (DDP, 2 ranks) and ``examples/fsdp2.py`` (2 replica
+   package: ``examples/local_sgd.py`` (DDP, 2 ranks; again with uneven inputs, one rank
+   20 batches short, inside ``Join``) and ``examples/fsdp2.py`` (2 replica
    groups of 2 FSDP2 shards, 4 ranks), the latter started again on its round checkpoints,
    which it must resume; each must end with its replicas agreed.
 
@@ -37,6 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # (script, ranks, arguments, what its output must hold); run in this order
 EXAMPLES = [
     ("local_sgd.py", 2, [], ["replicas agreed after every round"]),
+    ("local_sgd.py", 2, ["--uneven", "20"],
+     ["1 of 2 ranks ran out of batches early; every rank took part in all 7 rounds (66 steps)",
+      "replicas agreed at the end"]),
     ("fsdp2.py", 4, ["--steps", "30", "--dir", "fsdp2_run"],
      ["round 3:", "replicas agreed after every round"]),
     ("fsdp2.py", 4, ["--steps", "40", "--dir", "fsdp2_run"],
