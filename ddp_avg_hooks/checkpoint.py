@@ -82,6 +82,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
 
 from ._checks import check_int
 from .errors import CheckpointError
@@ -197,7 +198,7 @@ def _check_parts(handle, model, optimizer) -> None:
     handle.check_optimizer(optimizer, "RoundCheckpointer")
 
 
-class RoundCheckpointer:
+class RoundCheckpointer(Joinable):
     """Save every ``every_rounds``-th round of ``handle``; resume the newest all ranks completed.
 
     Args:
@@ -214,11 +215,15 @@ class RoundCheckpointer:
 
     Call :meth:`restore` once before training (collective) and :meth:`maybe_save` after
     every optimizer step (collective when it saves; every rank saves the same rounds).
+    With uneven inputs pass it to ``Join`` after the handle,
+    ``Join([ddp, handle, checkpointer])``: a rank whose inputs ran out then saves the
+    rounds it takes part in, with the others.
     """
 
     def __init__(self, directory, handle, model: torch.nn.Module, optimizer, scheduler=None, *,
                  every_rounds: int = 1, keep: int = 2, process_group=None) -> None:
         _check_parts(handle, model, optimizer)
+        super().__init__()  # Joinable: not inside a Join until one is made
         self.directory = Path(directory)
         self.handle, self.model = handle, model
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -247,6 +252,22 @@ class RoundCheckpointer:
         if problems:
             raise CheckpointError(f"RoundCheckpointer({str(self.directory)!r}): {what}: "
                                   + "; ".join(f"rank {r}: {p}" for r, p in problems))
+
+    # --- uneven inputs: torch.distributed.algorithms.join.Join -------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        """Inside ``Join([ddp, handle, checkpointer])``: a rank whose inputs ran out calls
+        :meth:`maybe_save` after each step the handle takes in place of the others'."""
+        return _SaveWhenJoined(self, self.handle.add_joined_step_hook(self.maybe_save))
+
+    @property
+    def join_device(self) -> torch.device:
+        """The handle's ``Join`` device."""
+        return self.handle.join_device
+
+    @property
+    def join_process_group(self):
+        """The handle's ``Join`` group."""
+        return self.handle.join_process_group
 
     # --- saving -----------------------------------------------------------------------
     def _local_optimizer(self):
@@ -280,6 +301,11 @@ class RoundCheckpointer:
 
     def save(self) -> Path:
         """Save this rank's state as round ``handle.stats.rounds`` (collective: prunes after)."""
+        if self.handle.in_join != self._join_config.enable:
+            raise RuntimeError(
+                f"RoundCheckpointer({str(self.directory)!r}).save() inside Join: pass both the "
+                "handle and the checkpointer to it, Join([ddp, handle, checkpointer]), so that "
+                "a rank whose inputs ran out saves with the others")
         if not self._checked_folder:
             self._refuse_a_folder_of_another_run()
         self.handle.synchronize()
@@ -515,3 +541,15 @@ class RoundCheckpointer:
             if not own and self._world() > 1:
                 src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
                 dist.broadcast(mine, src=src, group=self.group)
+
+
+class _SaveWhenJoined(JoinHook):
+    """The checkpointer's part in ``Join``: the handle's stand-in steps save (see
+    ``AveragingHandle.add_joined_step_hook``); after the block, saving is as before."""
+
+    def __init__(self, checkpointer: RoundCheckpointer, remove) -> None:
+        self._checkpointer, self._remove = checkpointer, remove
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self._remove()
+        self._checkpointer._join_config = _JoinConfig.construct_disabled_join_config()

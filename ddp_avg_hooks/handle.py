@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,7 @@ class AveragingHandle(Joinable):
         self._removed = False
         self._forwards = 0  # DDP forwards since the last step, counted once in a Join
         self._forward_counter = None
+        self._joined_step_hooks: list = []  # run after each stand-in step inside a Join
         self._schedule.bind(self.process_group)
         # time-based rounds of a sharded model: the ranks of a replica group step together,
         # so they decide together whether a round is due (one flag, inside the group)
@@ -577,6 +579,20 @@ class AveragingHandle(Joinable):
         return _ShadowSteps(self)
 
     @property
+    def in_join(self) -> bool:
+        """Whether the handle is inside an enabled ``Join`` block now."""
+        return self._join_config.enable
+
+    def add_joined_step_hook(self, fn) -> Callable[[], None]:
+        """Inside ``Join``, call ``fn()`` on a rank whose inputs ran out after each step it
+        takes in place of the others' (where the training loop makes a collective after
+        each step, as ``RoundCheckpointer.maybe_save`` does). Returns a function that
+        removes it."""
+        self._joined_step_hooks.append(fn)
+        return lambda: self._joined_step_hooks.remove(fn) if fn in self._joined_step_hooks \
+            else None
+
+    @property
     def join_device(self) -> torch.device:
         """The device of ``Join``'s small all-reduces over :attr:`join_process_group`."""
         if dist.get_backend(self.process_group) == "nccl":
@@ -635,6 +651,8 @@ class _ShadowSteps(JoinHook):
 
     def main_hook(self) -> None:
         self._handle._advance(joined=True)
+        for fn in list(self._handle._joined_step_hooks):
+            fn()
 
     def post_hook(self, is_last_joiner: bool) -> None:
         in_flight = bool(self._handle.rounds_in_flight)

@@ -152,3 +152,49 @@ def test_join_refuses_time_based_rounds_and_another_group(world1):
     with pytest.raises(ValueError, match="another process group than DDP's"):
         Join([ddp, handle])
     handle.remove()
+
+
+def _rank_uneven_checkpoints(rank, world_size, directory, batches, with_checkpointer):
+    from _helpers import flat, make_model, train_step
+
+    from ddp_avg_hooks.checkpoint import RoundCheckpointer
+
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=PERIOD,
+                                         warmup_steps=WARMUP, optimizer=opt)
+    ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
+    ckpt = RoundCheckpointer(directory, handle, ddp.module, opt, keep=10)
+    ckpt.restore()
+    joinables = [ddp, handle, ckpt] if with_checkpointer else [ddp, handle]
+    try:
+        with Join(joinables):
+            for step in range(batches[rank]):
+                train_step(ddp, opt, rank, step)
+                ckpt.maybe_save()
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    ckpt.maybe_save()  # outside the block: as before
+    out = {"completed": ckpt.completed_rounds(), "rounds": handle.stats.rounds,
+           "params": flat(ddp.module)}
+    handle.remove()
+    return out
+
+
+def test_a_checkpointer_in_join_saves_every_round_on_every_rank(tmp_path):
+    """Rank 1 runs out after 6 of rank 0's 14 steps; passed to Join, the checkpointer saves
+    each round on both ranks (the finished one included), and nothing hangs."""
+    out = run_ranks(_rank_uneven_checkpoints, 2, timeout_s=90, pg_timeout_s=60,
+                    directory=str(tmp_path), batches=(14, 6), with_checkpointer=True)
+    rounds = len(range(WARMUP, 14, PERIOD))
+    for res in out:
+        assert "error" not in res, res
+        assert res["rounds"] == rounds and res["completed"] == list(range(1, rounds + 1))
+    torch.testing.assert_close(out[0]["params"], out[1]["params"], rtol=0, atol=0)
+
+
+def test_a_checkpointer_left_out_of_join_is_refused_on_every_rank(tmp_path):
+    out = run_ranks(_rank_uneven_checkpoints, 2, timeout_s=90, pg_timeout_s=60,
+                    directory=str(tmp_path), batches=(14, 6), with_checkpointer=False)
+    for res in out:
+        assert "pass both the handle and the checkpointer" in res["error"]
