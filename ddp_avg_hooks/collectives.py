@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from ._groups import is_member
 
-__all__ = ["Background", "allreduce_sum", "completed", "exact_average", "gather_small"]
+__all__ = ["Background", "allreduce_sum", "backend_device", "completed", "exact_average",
+           "gather_small"]
 
 
 def completed(value) -> torch.futures.Future:
@@ -55,6 +56,14 @@ def exact_average(group: dist.ProcessGroup, bucket) -> torch.futures.Future:
     return allreduce_sum(group, buffer, bucket)
 
 
+def backend_device(group) -> torch.device:
+    """The device ``group``'s backend communicates from: the current CUDA device for
+    NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (a few numbers, on the CPU) over ``group``, in group rank
     order: a blocking all-gather on the device the group's backend needs (CUDA for NCCL).
@@ -66,8 +75,7 @@ def gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
         [[3, 4]]
         >>> dist.destroy_process_group()
     """
-    if dist.get_backend(group) == "nccl":
-        tensor = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    tensor = tensor.to(backend_device(group))
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, tensor, group=group)
     return gathered

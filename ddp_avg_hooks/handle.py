@@ -18,7 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from . import memory
 from ._groups import is_member
 from .bucket import ParamBucket
-from .collectives import gather_small
+from .collectives import backend_device, gather_small
 from .errors import SettingsMismatchError
 from .grad_hooks import ReducerSwitch
 from .models import AveragedModel
@@ -164,13 +164,13 @@ class AveragingHandle(Joinable):
         #: the group DDP averages gradients over (for ``local_sgd_grad_hook``)
         self.grad_process_group = (model and model.grad_process_group) or dist.group.WORLD
         #: turns DDP's gradient reducer off after the warm-up (``None`` for FSDP2)
-        ddp = model.ddp() if model is not None and model.ddp is not None else None
+        ddp = self._ddp()
         self.reducer_switch = ReducerSwitch(ddp) if ddp is not None else None
         self._optimizer_hook = None
         self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
         self._removed = False
-        self._forwards = 0  # DDP forwards since the last step, counted once in a Join
+        self._forwards = 0  # DDP forwards since the last step, counted inside a Join block
         self._forward_counter = None
         self._joined_step_hooks: list = []  # run after each stand-in step inside a Join
         self._schedule.bind(self.process_group)
@@ -542,9 +542,7 @@ class AveragingHandle(Joinable):
             self._optimizer_hook = None
         if self.reducer_switch is not None:
             self.reducer_switch.release()
-        if self._forward_counter is not None:
-            self._forward_counter.remove()
-            self._forward_counter = None
+        self._stop_counting_forwards()
         try:
             self.synchronize()
         finally:
@@ -567,7 +565,7 @@ class AveragingHandle(Joinable):
                 "others' steps one for one, while these rounds let ranks take different "
                 "numbers of steps already. End the run on a round count instead, on every "
                 "rank: while handle.rounds_started < rounds: ...")
-        ddp = self._model.ddp() if self._model is not None and self._model.ddp else None
+        ddp = self._ddp()
         if ddp is not None and ddp.process_group != self.process_group:
             raise ValueError(
                 "Join([ddp, handle]): the rounds average over another process group than "
@@ -577,6 +575,11 @@ class AveragingHandle(Joinable):
         if ddp is not None and self._forward_counter is None:
             self._forward_counter = ddp.register_forward_pre_hook(self._count_forward)
         return _ShadowSteps(self)
+
+    def _stop_counting_forwards(self) -> None:
+        if self._forward_counter is not None:
+            self._forward_counter.remove()
+            self._forward_counter = None
 
     @property
     def in_join(self) -> bool:
@@ -595,14 +598,16 @@ class AveragingHandle(Joinable):
     @property
     def join_device(self) -> torch.device:
         """The device of ``Join``'s small all-reduces over :attr:`join_process_group`."""
-        if dist.get_backend(self.process_group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return backend_device(self.process_group)
 
     @property
     def join_process_group(self):
         """The group whose ranks ``Join`` counts: the rounds' group."""
         return self.process_group
+
+    def _ddp(self):
+        """The DDP wrapper of the averaged model (``None`` for FSDP2, or once it is freed)."""
+        return self._model.ddp() if self._model is not None and self._model.ddp else None
 
     def _count_forward(self, module, args) -> None:
         self._forwards += 1
@@ -611,7 +616,7 @@ class AveragingHandle(Joinable):
         """Inside an enabled ``Join``, on a rank still training: check that the DDP model
         comes first and that one forward preceded this step, then tell ``Join`` that this
         rank has not joined (a no-op unless the handle is ``Join``'s first joinable)."""
-        ddp = self._model.ddp() if self._model is not None and self._model.ddp else None
+        ddp = self._ddp()
         where = f"step {self._step_count}"
         if ddp is not None:
             ddp_config = getattr(ddp, "_join_config", None)
@@ -661,3 +666,4 @@ class _ShadowSteps(JoinHook):
             self._handle.average()
         # out of the Join: its rules (one forward a step, DDP first) no longer apply
         self._handle._join_config = _JoinConfig.construct_disabled_join_config()
+        self._handle._stop_counting_forwards()
