@@ -73,8 +73,7 @@ def _check_state_free(state, spec) -> None:
     for held in _states_with_memory(state, spec):
         ref = _STATE_HOLDERS.get(id(held))
         holder = ref() if ref is not None else None
-        if holder is not None and not holder.removed and any(
-                s is held for s in _states_with_memory(holder.state, spec)):
+        if holder is not None and not holder.removed:  # it keeps ``held`` alive: same object
             raise ValueError(
                 f"register_averaging_hook: this {type(held).__name__} already serves a live "
                 f"registration ({holder!r}); its memory per bucket (residuals, factors, "
