@@ -1,9 +1,9 @@
-"""Steps to DDP's loss over 20 seeds: where the two seeds of the headline tables sit.
+"""Steps to DDP's loss over 40 seeds: where the two seeds of the headline tables sit.
 
 The slow-link tables train seeds 0 and 1. This study trains DDP, exact period-8
 averaging (``allreduce``, the rule of PyTorch's ``PeriodicModelAverager``) and the best
 configuration of those tables, 4-bit rounds of 4 interleaved fragments overlapped with
-training, over 20 seeds on loopback (``harness/steps_study.py``), and
+training, over 40 seeds on loopback (``harness/steps_study.py``), and
 reports each seed's steps to DDP's loss over DDP's, their mean and median and on how many
 seeds the ratio is within the 1.10x target. Each seed trains twice, from the same
 initial model on two orders of the training batches (``--data-seed-offset``), each method
@@ -19,7 +19,7 @@ Outputs ``benchmarks/results/seed_steps.json`` and the section "Steps to the tar
 many seeds" of ``benchmarks/RESULTS.md``. About 3 minutes a seed on 2 cores; ``--reuse`` reads
 the runs already made by the same arguments.
 
-    python benchmarks/bench_seed_steps.py                 # seeds 0-19
+    python benchmarks/bench_seed_steps.py                 # seeds 0-39
     python benchmarks/bench_seed_steps.py --reuse         # only the runs not made yet
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     return steps_study.main(
         __doc__, "bench_seed_steps.py", argv=argv, configs=CONFIGS, references=REFERENCES,
         bytes_base=BYTES_BASE, pools=POOLS, within=report.STEPS_TARGET,
-        seeds=",".join(map(str, range(20))),
+        seeds=",".join(map(str, range(40))),
         section="## Steps to the target over many seeds",
         json_name="seed_steps.json",
         describe="Each method trains twice a seed, from the same initial model on two orders "

@@ -123,7 +123,7 @@ def test_the_fragment_study_runs_each_overlapped_hook_in_both_layouts():
         "int8_streaming_interleaved"]
 
 
-def test_the_seed_study_trains_twenty_seeds_and_counts_those_within_the_target(
+def test_the_seed_study_trains_forty_seeds_and_counts_those_within_the_target(
         monkeypatch, tmp_path):
     import bench_seed_steps
     from harness import train
@@ -154,7 +154,7 @@ def test_the_seed_study_trains_twenty_seeds_and_counts_those_within_the_target(
     results = _isolate(monkeypatch, tmp_path, train_all)
     assert bench_seed_steps.main(["--results-md", str(results)]) == 0
 
-    assert trained["seeds"] == list(range(20))
+    assert trained["seeds"] == list(range(40))
     parsed = {n: train.parse_args(flags) for n, flags in trained["configs"].items()}
     ours = "int4_streaming_interleaved_next_step"
     assert parsed["allreduce"].period == parsed[ours].period == 8
@@ -167,23 +167,23 @@ def test_the_seed_study_trains_twenty_seeds_and_counts_those_within_the_target(
     section = results.read_text()
     section = section[section.index("## Steps to the target over many seeds"):]
     assert "| mean | median | within 1.10x | bytes x |" in section
-    assert "| `ddp_other_data_order` | " + " | ".join(["0.991"] * 20) + \
-        " | 0.991 | 0.991 | 20 of 20 |" in section
-    assert "| `allreduce` | " + " | ".join(["1.100"] * 20) + " | 1.100 | 1.100 | 20 of 20 |" \
+    assert "| `ddp_other_data_order` | " + " | ".join(["0.991"] * 40) + \
+        " | 0.991 | 0.991 | 40 of 40 |" in section
+    assert "| `allreduce` | " + " | ".join(["1.100"] * 40) + " | 1.100 | 1.100 | 40 of 40 |" \
         in section
     assert f"| `{ours}` | " + " | ".join(
-        ["1.000", "1.150"] * 10) + " | 1.075 | 1.075 | 10 of 20 |" in section
+        ["1.000", "1.150"] * 20) + " | 1.075 | 1.075 | 20 of 40 |" in section
     # against DDP on the same (other) order, not the first
-    assert f"| `{ours}_other_data_order` | " + " | ".join(["1.200"] * 20) + \
-        " | 1.200 | 1.200 | 0 of 20 |" in section
-    # pooled: 40 samples a method; each interval holds its statistic, within the sample
+    assert f"| `{ours}_other_data_order` | " + " | ".join(["1.200"] * 40) + \
+        " | 1.200 | 1.200 | 0 of 40 |" in section
+    # pooled: 80 samples a method; each interval holds its statistic, within the sample
     pooled = {m.group(1): [float(x) for x in m.groups()[1:7]] + [m.group(8)]
-              for m in re.finditer(r"\| (.+), both data orders \| 40 \| ([\d.]+) \(([\d.]+)-"
+              for m in re.finditer(r"\| (.+), both data orders \| 80 \| ([\d.]+) \(([\d.]+)-"
                                    r"([\d.]+)\) \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \| "
-                                   r"(\d+ of 40) \|", section)}
+                                   r"(\d+ of 80) \|", section)}
     assert pooled["`allreduce`"][0] == 1.15 and pooled["`allreduce`"][3] == 1.15
     assert pooled[f"`{ours}`"][0] == 1.137 and pooled[f"`{ours}`"][3] == 1.175
-    assert (pooled["`allreduce`"][6], pooled[f"`{ours}`"][6]) == ("20 of 40", "10 of 40")
+    assert (pooled["`allreduce`"][6], pooled[f"`{ours}`"][6]) == ("40 of 80", "20 of 80")
     for mean, low, high, median, m_low, m_high, _ in pooled.values():
         assert 1.0 <= low <= mean <= high <= 1.2 and 1.0 <= m_low <= median <= m_high <= 1.2
 
