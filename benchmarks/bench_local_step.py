@@ -104,15 +104,17 @@ def _block(recs: list[dict]) -> dict:
 def summarize(ratios: dict[str, list[dict]]) -> list[dict]:
     """One row per variant: each of :data:`METRICS` and the step times in ms as the
     median over the turns (``report.aggregate``, the turns as its repeats), with
-    ``<metric>_range`` (min, max), ``turns``, and ``local_met`` (turns with local step x
-    <= 1.05)."""
+    ``<metric>_range`` (min, max), ``turns``, ``local_turns`` (turns with a local step:
+    none where every step sends or applies a round) and ``local_met`` (turns with local
+    step x <= 1.05)."""
     numbers = sorted({t["turn"] for rows in ratios.values() for t in rows})
     per_turn = [[dict(t, variant=name) for name, rows in ratios.items() for t in rows
                  if t["turn"] == k] for k in numbers]
     rows = report.aggregate(per_turn, keys=(*METRICS, "local_ms", "mean_ms"))
     for r in rows:
         r["turns"] = r["repeats"]
-        r["local_met"] = sum(v <= TARGET for v in r["local_x_values"] if v is not None)
+        local = [v for v in r["local_x_values"] if v is not None]
+        r["local_turns"], r["local_met"] = len(local), sum(v <= TARGET for v in local)
     return rows
 
 
@@ -135,7 +137,8 @@ def table(runs: list[list[dict]], none: str = "none") -> list[str]:
                 f"`{name}`", *([str(k + 1)] if many else []),
                 f"{r['local_ms']:.1f}" if r["local_ms"] else "n/a",
                 ranged(r, "local_x", ".3f") if ours else "1",
-                f"{r['local_met']} of {r['turns']}" if ours else "",
+                (f"{r['local_met']} of {r['local_turns']}" if r["local_turns"] else "n/a")
+                if ours else "",
                 f"{r['mean_ms']:.1f}", ranged(r, "step_x", ".3f") if ours else "1",
                 ranged(r, "comm", ".1%")]) + " |")
     return lines
@@ -252,14 +255,16 @@ def _measure(a, keys: list, names: list[str], argv) -> tuple[dict, dict]:
 
 
 def _load(out: str, keys: list) -> tuple[dict, dict]:
-    """What :func:`_measure` saved in ``out``, for ``keys``."""
+    """What :func:`_measure` saved in ``out``, for ``keys``; each run's rows summarized
+    again from its saved per-turn ratios."""
     try:
         with open(os.path.join(out, "meta.json")) as f:
             meta = json.load(f)
         done = {}
         for prof, seed in keys:
             with open(os.path.join(out, f"local_step_{prof.name}_seed{seed}.json")) as f:
-                done[(prof, seed)] = json.load(f)["runs"]
+                done[(prof, seed)] = [dict(run, rows=summarize(run["turns"]))
+                                      for run in json.load(f)["runs"]]
     except FileNotFoundError as exc:
         raise SystemExit(f"--replot: {exc.filename} is missing; pass as --out the folder of "
                          "a finished run, with its --profiles and --seeds") from None

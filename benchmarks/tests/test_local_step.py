@@ -102,6 +102,17 @@ def test_ratios_are_taken_within_a_turn_and_leave_out_the_warmup(bench):
     assert bench.between_runs([rows, later])["local_x"] == pytest.approx(0.03)
 
 
+def test_a_variant_without_local_steps_has_no_turns_within_the_local_step_target(bench):
+    # every step of "x" sends (a round launched at every step): no local step to time
+    turns = {"none": [_rec(1, 1, 0.010), _rec(2, 1, 0.010)],
+             "x": [_rec(1, 1, 0.012, nbytes=8), _rec(2, 1, 0.013, nbytes=8)]}
+    rows = bench.summarize(bench.turn_ratios(turns, skip=1))
+    row = {r["variant"]: r for r in rows}["x"]
+    assert row["local_x"] is None and row["local_turns"] == 0
+    table = "\n".join(bench.table([rows]))
+    assert "| `x` | n/a | n/a | n/a | 12.5 | 1.250 (1.200–1.300) |" in table
+
+
 def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\n## Another section\n\nkept\n")
