@@ -515,7 +515,19 @@ class AveragingHandle(Joinable):
             self._model.check_optimizer(optimizer, who)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does)."""
+        """Run :meth:`step` after every ``optimizer.step()`` (what ``optimizer=`` does).
+
+        One optimizer at a time: a handle already attached (``optimizer=``, or an earlier
+        call) raises ``ValueError``, since a second would count every step twice; call
+        :meth:`detach_optimizer` first to move it to another optimizer."""
+        self._check_alive("attach_optimizer")
+        if self._optimizer_hook is not None:
+            raise ValueError(
+                "AveragingHandle.attach_optimizer: the handle already runs step() after an "
+                "optimizer's steps (optimizer= or an earlier attach_optimizer); a second "
+                "would count every step twice. Call handle.detach_optimizer() first to "
+                "attach it to another optimizer"
+            )
         self.check_optimizer(optimizer, "AveragingHandle.attach_optimizer")
         self._optimizer_hook = StepHooks(optimizer, self._advance)
 

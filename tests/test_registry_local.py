@@ -256,6 +256,26 @@ def test_stepping_a_handle_the_optimizer_already_steps_is_refused(world1):
     handle.remove()
 
 
+def test_a_second_attach_is_refused_and_remove_detaches_the_one_hook(world1):
+    ddp = DDP(_mlp(3, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         optimizer=opt)
+    with pytest.raises(ValueError, match="already runs step\\(\\) after an optimizer's steps"):
+        handle.attach_optimizer(opt)
+    opt.zero_grad(); ddp(torch.randn(4, 3)).sum().backward(); opt.step()
+    assert handle.step_count == 1  # one optimizer step, counted once
+    handle.detach_optimizer()
+    handle.attach_optimizer(opt)  # moved: allowed once detached
+    opt.step()
+    assert handle.step_count == 2
+    handle.remove()
+    opt.step()  # the plain optimizer steps on after remove()
+    assert not handle.attached_optimizer
+    with pytest.raises(RuntimeError, match=r"attach_optimizer\(\) after remove\(\)"):
+        handle.attach_optimizer(opt)
+
+
 def test_an_optimizer_of_other_parameters_is_refused(world1):
     ddp = DDP(_mlp(3, 2))
     other = torch.optim.SGD(_mlp(3, 2).parameters(), lr=0.1)  # another model's optimizer
