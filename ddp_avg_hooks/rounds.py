@@ -397,6 +397,11 @@ class RoundEngine:
                 f"its future holds {value.numel()} elements; expected {bucket.numel()} "
                 "(one per parameter element of the bucket)",
             )
+        if value.is_meta:
+            raise self.error(bucket, where, "its future holds a tensor on the meta device, "
+                             "which has no values; return the bucket's new values")
+        if value.dim() != 1 or not value.is_contiguous():
+            value = value.reshape(-1).contiguous()  # a strided or shaped view: its values, flat
         if self.check_finite and not bool(torch.isfinite(value).all()):
             raise self.error(bucket, where,
                              "result has nan or inf (check_finite=True); nothing written")

@@ -52,11 +52,29 @@ def test_a_delta_result_is_applied_as_anchor_minus_change():
     assert torch.equal(buckets[1].stored_anchor(), torch.full((3,), 3.5))
 
 
+def test_strided_and_shaped_results_are_written_as_their_values():
+    buckets = _buckets(keep_anchor=True)
+    with torch.no_grad():
+        buckets[1].parameters()[0].add_(5)  # 6: anchor 1
+
+    def strided(state, bucket):  # every other element of a buffer twice as long
+        if bucket.index() == 0:
+            wide = torch.stack([bucket.buffer() + 10, torch.full((3,), -1.0)], 1).reshape(-1)
+            return completed(wide[::2])
+        bucket.mark_result_as_delta()  # the change halved, as a (1, 3) row of a transpose
+        return completed((bucket.delta(torch.float32, scale=0.5).reshape(3, 1)).t())
+
+    assert not strided(None, buckets[0]).wait().is_contiguous()
+    run_round(strided, None, buckets)
+    assert _values(buckets) == [[10.0] * 3, [3.5] * 3]
+
+
 @pytest.mark.parametrize("result, message", [
     (lambda b: completed(torch.zeros(2)), "holds 2 elements; expected 3"),
     (lambda b: completed(torch.zeros(3, dtype=torch.int64)), "holds a torch.int64 tensor"),
     (lambda b: completed("three"), "holds str; expected a floating-point tensor of 3"),
     (lambda b: [1.0, 2.0, 3.0], "returned list; expected a torch.futures.Future"),
+    (lambda b: completed(torch.zeros(3, device="meta")), "on the meta device"),
     (lambda b: (_ for _ in ()).throw(ValueError("no")), "raised ValueError: no"),
 ])
 def test_a_broken_result_fails_the_round_and_writes_nothing(result, message):
