@@ -21,7 +21,9 @@ What it guarantees:
 * **Nothing is lost.** A checkpoint saved by another number of processes is refused,
   naming both sizes (a rank's files hold its own error feedback and local progress:
   they cannot be merged or split exactly). One of another model is refused naming the
-  checkpoint and the first parameter that differs, before anything is loaded. A folder
+  checkpoint and the first parameter that differs, before anything is loaded; so is one
+  whose optimizer has other parameter groups, or that has a scheduler's state where
+  this run has no scheduler (or none where it has one). A folder
   that holds completed rounds but cannot be resumed makes
   :meth:`RoundCheckpointer.restore` raise :class:`~ddp_avg_hooks.errors.CheckpointError`
   rather than start over and overwrite it; saving into such a folder without
@@ -161,18 +163,22 @@ def _load_optimizer(optimizer, saved: dict) -> None:
     optimizer.load_state_dict(saved)
 
 
-def _read_marker(path: Path) -> dict | None:
-    """A marker's contents; ``None`` when there is none, ``{"session": text}`` for one
-    this format did not write (it is then never a usable round)."""
+def _read_marker(path: Path) -> dict | str | None:
+    """A marker's contents; ``None`` when there is none; what is wrong with it (naming
+    the file) when it cannot be read or is not a marker (damaged)."""
     try:
         text = path.read_text()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"{path} cannot be read ({exc})"
     try:
         marker = json.loads(text)
     except ValueError:
-        return {"session": text}
-    return marker if isinstance(marker, dict) and "session" in marker else {"session": text}
+        marker = None
+    if isinstance(marker, dict) and isinstance(marker.get("session"), str):
+        return marker
+    return f"{path} is damaged (not a completion marker this library writes)"
 
 
 def _check_parts(handle, model, optimizer) -> None:
@@ -351,19 +357,21 @@ class RoundCheckpointer(Joinable):
 
     def _refuse_a_folder_of_another_run(self) -> None:
         """Before the first save without :meth:`restore`: a folder holding rounds that
-        every rank completed belongs to another run; saving into it could prune them."""
+        every rank completed (or may have: a damaged marker) belongs to another run;
+        saving into it could prune them."""
         self._checked_folder = True
-        common = self._common_rounds()
-        if common:
+        gathered = self._gather_markers()
+        held = sorted({*self._common_rounds(gathered), *self._damaged_rounds(gathered)})
+        if held:
             raise CheckpointError(
                 f"RoundCheckpointer({str(self.directory)!r}): the folder holds round "
-                f"{common[-1]} of another run; call restore() first to resume it, or save "
+                f"{held[-1]} of another run; call restore() first to resume it, or save "
                 "into an empty folder (nothing was written)")
 
     def _prune(self) -> None:
         """Remove this rank's files of rounds older than the newest common one, but the
         ``keep`` newest common; completed or not (an interrupted save leaves files)."""
-        common = self._common_rounds()
+        common = self._common_rounds(self._gather_markers())
         keep = set(common[-self.keep:])
         newest_common = common[-1] if common else -1
         for folder in self.directory.glob(f"{_PREFIX}*"):
@@ -387,10 +395,11 @@ class RoundCheckpointer(Joinable):
     # --- restoring --------------------------------------------------------------------
     def completed_rounds(self) -> list[int]:
         """The rounds this rank completed a save of, oldest first."""
-        return sorted(self._markers())
+        return sorted(r for r, m in self._markers().items() if isinstance(m, dict))
 
-    def _markers(self) -> dict[int, dict]:
-        """Round -> this rank's marker, for the rounds it completed."""
+    def _markers(self) -> dict[int, dict | str]:
+        """Round -> this rank's marker, for the rounds it completed; or what is wrong
+        with the marker, for a round whose marker is damaged."""
         if not self.directory.is_dir():
             return {}
         out = {}
@@ -404,12 +413,31 @@ class RoundCheckpointer(Joinable):
                 out[rounds] = marker
         return out
 
-    def _common_rounds(self, gathered: list | None = None) -> list[int]:
-        """Rounds every rank completed in one session (collective unless world size 1)."""
-        if gathered is None:
-            gathered = self._gather({r: m["session"] for r, m in self._markers().items()})
+    def _gather_markers(self) -> list[dict[int, tuple | str]]:
+        """Per rank, round -> ``(session, world size)`` of its marker, or what is wrong
+        with a damaged one (collective unless world size 1)."""
+        return self._gather({r: (m["session"], m.get("world_size")) if isinstance(m, dict) else m
+                             for r, m in self._markers().items()})
+
+    @staticmethod
+    def _common_rounds(gathered: list[dict]) -> list[int]:
+        """Rounds every rank completed in one session, from :meth:`_gather_markers`."""
         first = gathered[0]
-        return sorted(r for r, token in first.items() if all(g.get(r) == token for g in gathered))
+        return sorted(r for r, m in first.items()
+                      if isinstance(m, tuple) and all(g.get(r) == m for g in gathered))
+
+    @staticmethod
+    def _damaged_rounds(gathered: list[dict]) -> list[int]:
+        """Rounds that every rank has a marker of, one or more of them damaged, the
+        others of one session: rounds that may have been completed, and cannot be told."""
+        rounds = set.intersection(*(set(g) for g in gathered))
+        out = []
+        for r in rounds:
+            markers = [g[r] for g in gathered]
+            sessions = {m[0] for m in markers if isinstance(m, tuple)}
+            if any(isinstance(m, str) for m in markers) and len(sessions) <= 1:
+                out.append(r)
+        return sorted(out)
 
     def _verify(self, rounds: int, marker: dict) -> str | None:
         """``None`` when every file this rank's marker of ``rounds`` lists is intact,
@@ -436,10 +464,10 @@ class RoundCheckpointer(Joinable):
         """
         self._checked_folder = True
         markers = self._markers()
-        gathered = self._gather({r: (m["session"], m.get("world_size"))
-                                 for r, m in markers.items()})
+        gathered = self._gather_markers()
         world = self._world()
-        sizes = sorted({w for g in gathered for _, w in g.values() if w not in (None, world)})
+        sizes = sorted({m[1] for g in gathered for m in g.values()
+                        if isinstance(m, tuple) and m[1] not in (None, world)})
         if sizes:
             raise CheckpointError(
                 f"RoundCheckpointer({str(self.directory)!r}): the checkpoint was saved by "
@@ -447,10 +475,18 @@ class RoundCheckpointer(Joinable):
                 "own state (error feedback, local progress), which cannot be split or merged "
                 f"exactly: resume with {sizes[0]} processes, or start in another folder "
                 "(nothing was loaded)")
-        common = self._common_rounds([{r: s for r, (s, _) in g.items()} for g in gathered])
+        common = self._common_rounds(gathered)
+        unreadable = self._damaged_rounds(gathered)
         self._session = self._gather(uuid.uuid4().hex)[0]
         damaged = []
-        for rounds in reversed(common):
+        for rounds in sorted({*common, *unreadable}, reverse=True):
+            if rounds in unreadable:  # the same on every rank: no collective needed
+                problems = [f"rank {r}: {g[rounds]}" for r, g in enumerate(gathered)
+                            if isinstance(g[rounds], str)]
+                damaged += problems
+                warnings.warn(f"RoundCheckpointer: round {rounds} cannot be used, trying an "
+                              f"older one: {'; '.join(problems)}", stacklevel=2)
+                continue
             problem = self._verify(rounds, markers[rounds])
             read = None if problem else self._read(rounds)
             if isinstance(read, str):
@@ -466,7 +502,7 @@ class RoundCheckpointer(Joinable):
             damaged += problems
             warnings.warn(f"RoundCheckpointer: round {rounds} cannot be used, trying an older "
                           f"one: {'; '.join(problems)}", stacklevel=2)
-        if common:
+        if common or unreadable:
             raise CheckpointError(
                 f"RoundCheckpointer({str(self.directory)!r}): no round every rank completed "
                 f"can be verified and read ({'; '.join(damaged)}); refusing to start over in a "
@@ -500,12 +536,14 @@ class RoundCheckpointer(Joinable):
         problem = None
         if saved_model is not None:
             problem = self._model_difference(saved_model, model_path)
+        path = self.directory / f"{_PREFIX}{rounds:08d}" / f"rank{self.rank}.pt"
         if problem is None:
             try:
                 self.handle.check_state_dict(state["averaging"])
             except (TypeError, ValueError) as exc:
-                path = self.directory / f"{_PREFIX}{rounds:08d}" / f"rank{self.rank}.pt"
                 problem = f"{path}: {exc}"
+        if problem is None:
+            problem = self._optimizer_difference(state, path)
         self._all_ok(problem, f"round {rounds} does not fit this run")
         self._load_model(saved_model, own=state["own_model"])
         self.handle.load_state_dict(state["averaging"])
@@ -513,6 +551,29 @@ class RoundCheckpointer(Joinable):
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
+
+    def _optimizer_difference(self, state: dict, path: Path) -> str | None:
+        """What keeps the saved optimizer and scheduler states from loading into this
+        run's (another grouping of the parameters, a scheduler given on one side only);
+        ``None`` if they fit."""
+        saved, groups = state["optimizer"], self._local_optimizer().param_groups
+        saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+        if not isinstance(saved_groups, list) or not isinstance(saved.get("state"), dict):
+            return f"{path} holds no optimizer state_dict"
+        if len(saved_groups) != len(groups):
+            return (f"{path}: its optimizer has {len(saved_groups)} parameter group(s), this "
+                    f"run's {len(groups)}: build the optimizer as the run that saved it did")
+        for i, (here, there) in enumerate(zip(groups, saved_groups)):
+            if len(here["params"]) != len(there.get("params", ())):
+                return (f"{path}: its optimizer's parameter group {i} holds "
+                        f"{len(there.get('params', ()))} parameters, this run's "
+                        f"{len(here['params'])}: build the optimizer as the run that saved it did")
+        if (self.scheduler is None) != (state["scheduler"] is None):
+            saved_with = "without" if state["scheduler"] is None else "with"
+            given = "passes one" if self.scheduler is not None else "passes none"
+            return (f"{path} was saved {saved_with} an LR scheduler and this run {given}: "
+                    "pass scheduler= as the run that saved it did")
+        return None
 
     def _model_difference(self, saved: dict, path: Path) -> str | None:
         """What keeps ``saved`` (a model state dict) from loading into the model, naming

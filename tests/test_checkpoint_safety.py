@@ -23,14 +23,18 @@ from _helpers import flat, make_model, train_step
 STEPS, PERIOD, WARMUP = 14, 3, 2  # rounds after steps 2, 5, 8, 11
 
 
-def _rank(rank, world_size, ckpt_dir, stop_at=None, resume=False, dims=(5, 8, 3)):
+def _rank(rank, world_size, ckpt_dir, stop_at=None, resume=False, dims=(5, 8, 3),
+          groups=1, scheduler=False):
     model = make_model(dims=dims)
     ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    params = list(ddp.parameters())
+    opt = torch.optim.SGD([{"params": params[k::groups]} for k in range(groups)], lr=0.05,
+                          momentum=0.9)
     handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=PERIOD,
                                          warmup_steps=WARMUP, optimizer=opt)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
-    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 5) if scheduler else None
+    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, sched, keep=2)
     out = {"error": None, "warnings": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -45,6 +49,7 @@ def _rank(rank, world_size, ckpt_dir, stop_at=None, resume=False, dims=(5, 8, 3)
             out["error"] = str(exc)
     out["warnings"] = [str(w.message) for w in caught if "RoundCheckpointer" in str(w.message)]
     out["params"] = flat(model)
+    out["step_count"] = handle.step_count
     handle.remove()
     return out
 
@@ -64,7 +69,7 @@ def _stopped(tmp_path, world=2):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round-00000002", "round-00000003"]
 
 
-@pytest.mark.parametrize("damaged", ["rank1.pt", "model.pt"])
+@pytest.mark.parametrize("damaged", ["rank1.pt", "model.pt", "rank1.done"])
 def test_a_truncated_newest_round_falls_back_to_the_older_one(tmp_path, straight, damaged):
     _stopped(tmp_path)
     path = tmp_path / "round-00000003" / damaged
@@ -133,15 +138,38 @@ def test_another_model_is_refused_naming_the_checkpoint_and_the_parameter(tmp_pa
     assert _digests(tmp_path) == before
 
 
-def test_every_round_damaged_is_an_error_not_a_fresh_start(tmp_path):
+@pytest.mark.parametrize("damaged", ["rank1.pt", "rank1.done"])
+def test_every_round_damaged_is_an_error_not_a_fresh_start(tmp_path, damaged):
     _stopped(tmp_path)
     for rounds in ("round-00000002", "round-00000003"):
-        (tmp_path / rounds / "rank1.pt").write_bytes(b"")
+        (tmp_path / rounds / damaged).write_bytes(b"garbage{")
     before = _digests(tmp_path)
     resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True)
     for r in range(2):
         assert "no round every rank completed can be verified and read" in resumed[r]["error"]
         assert "refusing to start over" in resumed[r]["error"]
+        assert str(tmp_path / "round-00000002" / damaged) in resumed[r]["error"]
+        assert len(resumed[r]["warnings"]) == 2  # each round named as it was skipped
+    assert _digests(tmp_path) == before
+    # and a run that does not restore() does not save over them either
+    fresh = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path))
+    for r in range(2):
+        assert "holds round 3 of another run; call restore() first" in fresh[r]["error"]
+    assert _digests(tmp_path) == before
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"groups": 2}, "its optimizer has 1 parameter group(s), this run's 2"),
+    ({"scheduler": True}, "was saved without an LR scheduler and this run passes one"),
+])
+def test_another_optimizer_or_scheduler_is_refused_before_anything_loads(tmp_path, change,
+                                                                          expected):
+    _stopped(tmp_path)
+    before = _digests(tmp_path)
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True, **change)
+    for r in range(2):
+        assert expected in resumed[r]["error"] and "round 3 does not fit" in resumed[r]["error"]
+        assert resumed[r]["step_count"] == 0  # the handle was not loaded
     assert _digests(tmp_path) == before
 
 
