@@ -177,6 +177,7 @@ bench: ext
 	$(PY) benchmarks/bench_validation_steps.py --seeds 0,1,2,3,4
 	$(PY) benchmarks/bench_fragment_steps.py --seeds 0,1,2,3,4
 	$(PY) benchmarks/bench_seed_steps.py
+	$(PY) benchmarks/bench_budget_steps.py
 	$(PY) benchmarks/bench_check_cost.py
 
 bench-sweep: ext

@@ -269,7 +269,8 @@ def main(doc: str, script: str, *, section: str, json_name: str,
          configs: dict[str, list[str]], describe: str, bytes_base: str | dict[str, str],
          loss_base: str | None = None, within: float | None = None, lr: float = 1e-3,
          lr_warmup: int = 20, steps: int = 300, budget: int = 200,
-         seeds: str = "0,1,2,3,4", references: dict[str, str] | None = None,
+         later_budgets: tuple[int, ...] = (), seeds: str = "0,1,2,3,4",
+         references: dict[str, str] | None = None,
          pools: dict[str, dict[str, str]] | None = None, argv=None) -> int:
     """A study's command line: train ``configs`` (each at ``--lr lr``, warmed up over
     ``lr_warmup`` steps) over ``--seeds`` (default ``seeds``),
@@ -277,7 +278,9 @@ def main(doc: str, script: str, *, section: str, json_name: str,
     table of every configuration but ``"ddp"``, each against its run in ``references``,
     default ``"ddp"``; with ``loss_base``, also every configuration's loss after
     ``budget`` steps against ``loss_base``'s; with ``within``, the median ratio and the
-    seeds within it, and the ``pools`` of :func:`pooled_table`) and ``results/json_name``."""
+    seeds within it, and the ``pools`` of :func:`pooled_table`; the same table and pools
+    again for each of ``later_budgets``, DDP's loss after that many steps of the same
+    runs) and ``results/json_name``."""
     a = launch.study_args(doc, seeds, os.path.splitext(json_name)[0], argv, reuse=True)
     t0 = time.time()
     reused: list[str] = []
@@ -300,6 +303,13 @@ def main(doc: str, script: str, *, section: str, json_name: str,
     if pools and within:
         md += ["Pooled over the rows of each line, every seed's ratio one sample:", "",
                *pooled_table(runs, pools, budget=budget, within=within)]
+    for later in later_budgets:
+        md += [f"Steps to DDP's loss at {later} steps of the same runs, over DDP's {later}:", "",
+               *table(runs, [n for n in configs if n != "ddp"], budget=later,
+                      bytes_base=bytes_base, within=within, references=references)]
+        if pools and within:
+            md += [f"Pooled, at {later} steps:", "",
+                   *pooled_table(runs, pools, budget=later, within=within)]
     if loss_base:
         md += [f"Validation loss after {budget} steps (DDP's budget), and its gap to "
                f"`{loss_base}`'s on the same seed; bytes sent by rank 0 in those steps over "

@@ -188,6 +188,54 @@ def test_the_seed_study_trains_forty_seeds_and_counts_those_within_the_target(
         assert 1.0 <= low <= mean <= high <= 1.2 and 1.0 <= m_low <= median <= m_high <= 1.2
 
 
+def test_the_budget_study_reads_each_later_budget_from_the_same_runs(monkeypatch, tmp_path):
+    import bench_budget_steps
+    from harness import train
+
+    trained = {}
+
+    def train_all(configs, seeds, runs_dir, *, steps, budget, timeout_s):
+        trained.update(configs=configs, seeds=seeds, steps=steps, budget=budget)
+        # validations every 20 steps to step 1000. DDP: 2.0 at 200, 1.5 at 400, 1.0 at 800.
+        # exact averaging: each of DDP's losses 20 steps later (1.1x at 200, 1.05x at 400,
+        # 1.025x at 800); ours: 2.0 at 230 (halfway between 220 and 240), 1.5 at 400 (at 360
+        # on odd seeds: 0.9x), 1.0 never
+        def curve(name, s):
+            at = {"ddp": {200: 2.0, 400: 1.5, 800: 1.0},
+                  "allreduce": {220: 2.0, 420: 1.5, 820: 1.0},
+                  bench_budget_steps.OURS: {220: 2.1, 240: 1.9, 400 - 40 * (s % 2): 1.5}}[name]
+            losses, last = [], 3.0
+            for step in range(20, 1001, 20):
+                last = at.get(step, last)
+                losses.append(last)
+            return _run(*losses)
+        return {s: {n: curve(n, s) for n in configs} for s in seeds}
+
+    results = _isolate(monkeypatch, tmp_path, train_all)
+    assert bench_budget_steps.main(["--results-md", str(results)]) == 0
+
+    assert trained["seeds"] == list(range(8)) and trained["steps"] == 1000
+    parsed = {n: train.parse_args(flags) for n, flags in trained["configs"].items()}
+    assert set(parsed) == {"ddp", "allreduce", bench_budget_steps.OURS}
+    assert parsed["allreduce"].period == parsed[bench_budget_steps.OURS].period == 8
+    section = results.read_text()
+    section = section[section.index("## Steps to the target after longer training"):]
+    ours = bench_budget_steps.OURS
+    tables = section.split("Steps to DDP's loss at ")
+    assert [t[:3] for t in tables[1:]] == ["200", "400", "800"]
+    assert "| `allreduce` | " + " | ".join(["1.100"] * 8) + " | 1.100 | 1.100 | 8 of 8 |" \
+        in tables[1]
+    assert f"| `{ours}` | " + " | ".join(["1.150"] * 8) + " | 1.150 | 1.150 | 0 of 8 |" \
+        in tables[1]
+    assert "| `allreduce` | " + " | ".join(["1.050"] * 8) + " | 1.050 | 1.050 | 8 of 8 |" \
+        in tables[2]
+    assert f"| `{ours}` | " + " | ".join(["1.000", "0.900"] * 4) + \
+        " | 0.950 | 0.950 | 8 of 8 |" in tables[2]
+    assert "| `allreduce` | " + " | ".join(["1.025"] * 8) in tables[3]
+    assert f"| `{ours}` | " + " | ".join(["not reached"] * 8) + " | - | - | 0 of 8 |" \
+        in tables[3]
+
+
 def test_another_data_order_changes_the_batches_and_not_the_model():
     from harness import train
 
