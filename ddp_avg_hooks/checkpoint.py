@@ -96,6 +96,7 @@ __all__ = ["RoundCheckpointer"]
 
 _PREFIX = "round-"
 _FORMAT = 1
+_STATE_KEYS = {"optimizer", "scheduler", "averaging", "rng", "own_model"}
 
 
 def _sha256(path: Path) -> str:
@@ -517,7 +518,8 @@ class RoundCheckpointer(Joinable):
         path = folder / f"rank{self.rank}.pt"
         try:
             state = torch.load(path, weights_only=True)
-            if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            if (not isinstance(state, dict) or state.get("format") != _FORMAT
+                    or not _STATE_KEYS <= set(state)):
                 return f"{path} is not a round checkpoint of this format"
             model = None
             if state["own_model"] or self.rank == 0:
@@ -564,9 +566,12 @@ class RoundCheckpointer(Joinable):
             return (f"{path}: its optimizer has {len(saved_groups)} parameter group(s), this "
                     f"run's {len(groups)}: build the optimizer as the run that saved it did")
         for i, (here, there) in enumerate(zip(groups, saved_groups)):
-            if len(here["params"]) != len(there.get("params", ())):
+            saved_params = there.get("params") if isinstance(there, dict) else None
+            if not isinstance(saved_params, list):
+                return f"{path}: its optimizer's parameter group {i} lists no parameters"
+            if len(here["params"]) != len(saved_params):
                 return (f"{path}: its optimizer's parameter group {i} holds "
-                        f"{len(there.get('params', ()))} parameters, this run's "
+                        f"{len(saved_params)} parameters, this run's "
                         f"{len(here['params'])}: build the optimizer as the run that saved it did")
         if (self.scheduler is None) != (state["scheduler"] is None):
             saved_with = "without" if state["scheduler"] is None else "with"

@@ -115,6 +115,26 @@ def test_a_tampered_pickle_is_never_run(tmp_path, marker):
     assert _digests(ckpt) == before  # nothing overwritten, nothing pruned
 
 
+def test_a_rewritten_file_of_plain_containers_is_refused_on_every_rank(tmp_path):
+    """Tensors and containers that weights_only loads, with the marker's checksum fixed,
+    but not a round's state: every rank hears of it (none waits on another that failed)."""
+    _stopped(tmp_path)
+    for rounds in ("round-00000002", "round-00000003"):
+        target = tmp_path / rounds / "rank1.pt"
+        torch.save({"format": 1, "own_model": False, "optimizer": {"param_groups": [1]}},
+                   target)
+        done = tmp_path / rounds / "rank1.done"
+        m = json.loads(done.read_text())
+        m["files"]["rank1.pt"] = hashlib.sha256(target.read_bytes()).hexdigest()
+        done.write_text(json.dumps(m))
+    before = _digests(tmp_path)
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True)
+    for r in range(2):
+        assert "rank 1:" in resumed[r]["error"]
+        assert "rank1.pt is not a round checkpoint of this format" in resumed[r]["error"]
+    assert _digests(tmp_path) == before
+
+
 @pytest.mark.parametrize("saved_by, restored_by", [(2, 3), (2, 1), (3, 2)])
 def test_another_world_size_is_refused_and_the_rounds_stay(tmp_path, saved_by, restored_by):
     _stopped(tmp_path, saved_by)
