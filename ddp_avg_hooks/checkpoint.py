@@ -361,7 +361,7 @@ class RoundCheckpointer(Joinable):
         every rank completed (or may have: a damaged marker) belongs to another run;
         saving into it could prune them."""
         self._checked_folder = True
-        gathered = self._gather_markers()
+        gathered = self._gather_markers(self._markers())
         held = sorted({*self._common_rounds(gathered), *self._damaged_rounds(gathered)})
         if held:
             raise CheckpointError(
@@ -372,7 +372,7 @@ class RoundCheckpointer(Joinable):
     def _prune(self) -> None:
         """Remove this rank's files of rounds older than the newest common one, but the
         ``keep`` newest common; completed or not (an interrupted save leaves files)."""
-        common = self._common_rounds(self._gather_markers())
+        common = self._common_rounds(self._gather_markers(self._markers()))
         keep = set(common[-self.keep:])
         newest_common = common[-1] if common else -1
         for folder in self.directory.glob(f"{_PREFIX}*"):
@@ -414,11 +414,12 @@ class RoundCheckpointer(Joinable):
                 out[rounds] = marker
         return out
 
-    def _gather_markers(self) -> list[dict[int, tuple | str]]:
+    def _gather_markers(self, markers: dict[int, dict | str]) -> list[dict[int, tuple | str]]:
         """Per rank, round -> ``(session, world size)`` of its marker, or what is wrong
-        with a damaged one (collective unless world size 1)."""
+        with a damaged one, from each rank's :meth:`_markers` (collective unless world
+        size 1)."""
         return self._gather({r: (m["session"], m.get("world_size")) if isinstance(m, dict) else m
-                             for r, m in self._markers().items()})
+                             for r, m in markers.items()})
 
     @staticmethod
     def _common_rounds(gathered: list[dict]) -> list[int]:
@@ -465,7 +466,7 @@ class RoundCheckpointer(Joinable):
         """
         self._checked_folder = True
         markers = self._markers()
-        gathered = self._gather_markers()
+        gathered = self._gather_markers(markers)
         world = self._world()
         sizes = sorted({m[1] for g in gathered for m in g.values()
                         if isinstance(m, tuple) and m[1] not in (None, world)})

@@ -147,7 +147,7 @@ class DeviceStorage:
     @torch.no_grad()
     def write(self, values: torch.Tensor) -> None:
         """``params <- values`` in place; the anchor (if kept) takes the same values."""
-        ops.apply_(values.reshape(-1), self.params, self.anchor)
+        ops.apply_(values, self.params, self.anchor)
 
     @torch.no_grad()
     def write_change(self, change: torch.Tensor) -> None:
