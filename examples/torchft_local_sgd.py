@@ -113,6 +113,7 @@ def replica(args) -> None:
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
         use_async_quorum=False,  # the quorum (and any healing) completes before a round
+        init_sync=False,  # the same seed everywhere; torchft's step-0 sync would copy a replica
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]),
                                     opt.load_state_dict(sd["opt"])),
         state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},

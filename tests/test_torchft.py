@@ -263,3 +263,47 @@ def test_unregistered_torchft_group_is_rejected_by_stock_hooks_and_misuse_is_nam
     with pytest.raises(ValueError, match="use_async_quorum=False"):
         ft.FaultTolerantAveraging(manager, handle, key="again")
     handle.remove()
+
+
+def test_a_manager_that_syncs_at_step_0_is_refused(world1):
+    """torchft's ``init_sync`` (on by default) gives every replica group one group's model
+    at the first quorum, which here is the first round: that round would be a copy, not an
+    average. A real Manager with the default is refused, naming the setting; with
+    ``init_sync=False`` it is accepted."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    import ddp_avg_hooks as dah
+    from ddp_avg_hooks.integrations import torchft as ft
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    timeout = timedelta(seconds=10)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timeout)
+    ddp = DistributedDataParallel(torch.nn.Linear(3, 2))
+    try:
+        for init_sync in (None, False):  # None: torchft's default
+            manager = Manager(
+                pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
+                use_async_quorum=False, load_state_dict=lambda sd: None, state_dict=dict,
+                lighthouse_addr="http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1],
+                store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                replica_id=f"replica_{init_sync}", hostname="127.0.0.1", timeout=timeout,
+                connect_timeout=timeout, **({} if init_sync is None else {"init_sync": False}))
+            handle = dah.register_averaging_hook(ddp, ft.allreduce_hook,
+                                                 ft.TorchftState(manager), period=2)
+            try:
+                if init_sync is None:
+                    with pytest.raises(ValueError, match="init_sync=False"):
+                        ft.FaultTolerantAveraging(manager, handle)
+                else:
+                    ft.FaultTolerantAveraging(manager, handle)
+            finally:
+                handle.remove()
+                manager.shutdown(wait=False)
+    finally:
+        lighthouse.shutdown()

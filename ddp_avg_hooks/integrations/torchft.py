@@ -25,7 +25,8 @@ that agrees on the settings; with one process per replica group that is a world 
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     manager = torchft.Manager(pg=torchft.ProcessGroupGloo(), use_async_quorum=False,
-                              load_state_dict=..., state_dict=..., min_replica_size=1, ...)
+                              init_sync=False, load_state_dict=..., state_dict=...,
+                              min_replica_size=1, ...)
     ddp = DistributedDataParallel(model)
     handle = dah.register_averaging_hook(ddp, ft.allreduce_hook, ft.TorchftState(manager),
                                          period=8)
@@ -115,7 +116,9 @@ class FaultTolerantAveraging:
     Args:
         manager: the replica group's ``torchft.Manager``, made with
             ``use_async_quorum=False`` (the quorum, and any healing, completes before the
-            round reads the parameters).
+            round reads the parameters) and ``init_sync=False`` (torchft's step-0 sync
+            would make the first round a copy of one replica group; start every replica
+            group from the same weights instead).
         handle: the :class:`~ddp_avg_hooks.AveragingHandle`, registered with
             :func:`allreduce_hook` and a :class:`TorchftState` of the same manager.
         key: the name the handle's state is registered under with the manager
@@ -139,6 +142,15 @@ class FaultTolerantAveraging:
         if getattr(manager, "_use_async_quorum", False):
             raise ValueError("FaultTolerantAveraging: make the Manager with use_async_quorum=False "
                              "(a round must not read parameters while this replica heals)")
+        if getattr(manager, "_init_sync", False):
+            raise ValueError(
+                "FaultTolerantAveraging: make the Manager with init_sync=False. With "
+                "init_sync=True torchft gives every replica group one replica group's model "
+                "and optimizer at its first quorum, which here is the first averaging round: "
+                "that round would copy one replica instead of averaging, discarding the "
+                "others' local steps. Build the model after the same torch.manual_seed in "
+                "every replica group (or load the same weights); replicas that start apart "
+                "meet at the first round, which averages them")
         if handle.period is None:
             raise ValueError("FaultTolerantAveraging: rounds must be counted in steps "
                              "(a time-based period decides a round on each rank's own clock)")
