@@ -10,6 +10,7 @@ compare every rank with ``straight``). Rank 0 prints ``check <name>: ...`` lines
 """
 import glob
 import os
+import shutil
 import sys
 
 import torch
@@ -64,25 +65,50 @@ def hf(phase, folder):
             if state.global_step == 7:
                 control.should_training_stop = True
 
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
-                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)
-    out = os.path.join(folder, "hf_straight" if phase == "straight" else "hf")
-    args = TrainingArguments(out, use_cpu=True, max_steps=14, learning_rate=3e-3,
-                             lr_scheduler_type="constant", per_device_train_batch_size=8,
-                             report_to=[], save_strategy="steps", save_steps=7,
-                             logging_strategy="no", disable_tqdm=True, seed=3,
-                             ddp_find_unused_parameters=False)
-    trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(),
-                      callbacks=[StopAt()] if phase == "stop" else [])
-    local_sgd = add_local_sgd(trainer, dah.hooks.fp16_compress_hook, period=4, warmup_steps=4,
-                              average_at_end=False)
-    resume = os.path.join(out, "checkpoint-7") if phase == "resume" else None
-    trainer.train(resume_from_checkpoint=resume)
+    def trainer_with_local_sgd(out):
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attn_pdrop=0.0)
+        args = TrainingArguments(out, use_cpu=True, max_steps=14, learning_rate=3e-3,
+                                 lr_scheduler_type="constant", per_device_train_batch_size=8,
+                                 report_to=[], save_strategy="steps", save_steps=7,
+                                 logging_strategy="no", disable_tqdm=True, seed=3,
+                                 ddp_find_unused_parameters=False)
+        trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(),
+                          callbacks=[StopAt()] if phase == "stop" else [])
+        return trainer, add_local_sgd(trainer, dah.hooks.fp16_compress_hook, period=4,
+                                      warmup_steps=4, average_at_end=False)
+
+    saved = os.path.join(folder, "hf", "checkpoint-7")
+    if phase == "resume":
+        # the Trainer's files of step 7 with the averaging state of step 14 (the straight
+        # run's): refused on every rank, nothing trained
+        foreign = os.path.join(folder, "hf_foreign", "checkpoint-7")
+        trainer, _ = trainer_with_local_sgd(os.path.join(folder, "hf_foreign_out"))
+        if dist.get_rank() == 0:  # the Trainer's arguments made the process group
+            shutil.copytree(saved, foreign)
+            for r in range(dist.get_world_size()):
+                name = f"ddp_avg_hooks_rank{r}.pt"
+                shutil.copy(os.path.join(folder, "hf_straight", "checkpoint-14", name),
+                            os.path.join(foreign, name))
+        dist.barrier()
+        try:
+            trainer.train(resume_from_checkpoint=foreign)
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        report("hf_foreign_state_refused_on_every_rank",
+               "rank 0:" in refused and "holds another model" in refused
+               and trainer.state.global_step == 7, refused[:300])
+    # straight and stop train in their own folders; resume reads stop's checkpoint from
+    # another output_dir, as resume_from_checkpoint allows
+    out = os.path.join(folder, {"straight": "hf_straight", "stop": "hf"}.get(phase, "hf_resumed"))
+    trainer, local_sgd = trainer_with_local_sgd(out)
+    trainer.train(resume_from_checkpoint=saved if phase == "resume" else None)
     if phase == "stop":
         report("hf_saved_each_ranks_state",
-               len(glob.glob(os.path.join(out, "checkpoint-7", "ddp_avg_hooks_rank*.pt"))) == 2, "")
+               len(glob.glob(os.path.join(saved, "ddp_avg_hooks_rank*.pt"))) == 2, "")
     _finish(phase, folder, "hf", _result(trainer.model, local_sgd.stats, trainer.state.global_step))
 
 

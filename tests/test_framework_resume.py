@@ -29,3 +29,5 @@ def test_a_mid_period_checkpoint_resumes_bit_identically(framework, tmp_path):
         out += r.stdout
     assert f"check {framework}_resume_is_bit_identical: ok" in out, out
     assert f"check {framework}_replicas_resumed_their_own_state: ok" in out, out
+    if framework == "hf":  # another run's averaging state beside the Trainer's files
+        assert "check hf_foreign_state_refused_on_every_rank: ok" in out, out

@@ -7,18 +7,24 @@ Checkpoints: the ``Trainer`` saves rank 0's model and optimizer only, but after 
 every replica has its own parameters and momentum until the next round. So at every
 ``on_save`` each rank writes ``ddp_avg_hooks_rank{r}.pt`` into the checkpoint folder
 (``checkpoint-{global_step}``): its model, optimizer and handle state. When
-``trainer.train(resume_from_checkpoint=...)`` resumes, each rank loads its own file at
-``on_train_begin`` (after the ``Trainer`` loaded rank 0's), so the run continues exactly
-as an uninterrupted one would: the counter, the rounds, the stats, every replica.
+``trainer.train(resume_from_checkpoint=...)`` resumes, each rank loads its own file from
+that folder at ``on_train_begin`` (after the ``Trainer`` loaded rank 0's), so the run
+continues exactly as an uninterrupted one would: the counter, the rounds, the stats, every
+replica. The ``Trainer`` does not tell its callbacks which folder it resumes from, so the
+callback wraps ``trainer.train`` to note it; rank 0 checks that its file holds the model the
+``Trainer`` loaded, so the state of another run or step is refused on every rank.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from .. import hooks
 from ..registry import register_averaging_hook
@@ -49,6 +55,19 @@ class LocalSGDCallback(TrainerCallback):
         self.handle = None
         self.stats = None
         self._ddp = None
+        self._resume_from: str | bool | None = None
+        self._note_resume_folder(trainer)
+
+    def _note_resume_folder(self, trainer) -> None:
+        """Wrap ``trainer.train`` to note its ``resume_from_checkpoint``: the folder each
+        rank's averaging state comes back from."""
+        train = trainer.train
+
+        @functools.wraps(train)
+        def train_noting_the_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
+            self._resume_from = resume_from_checkpoint
+            return train(resume_from_checkpoint, *args, **kwargs)
+        trainer.train = train_noting_the_checkpoint
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.world_size <= 1:
@@ -70,25 +89,52 @@ class LocalSGDCallback(TrainerCallback):
         if not self.grad_sync_after_warmup:
             GradSync.attach(ddp, self.handle)
         if state.global_step > 0:  # resumed: the Trainer loaded rank 0's model and optimizer
-            self._resume(args, state)
+            try:
+                self._resume(args, state)
+            except BaseException:
+                self._finish()
+                raise
 
     def _state_path(self, folder: str) -> str:
         return os.path.join(folder, STATE_FILE.format(rank=self.trainer.args.process_index))
 
+    def _resume_folder(self, args, state) -> str:
+        folder = self._resume_from
+        if folder is True:
+            folder = get_last_checkpoint(args.output_dir)
+        if isinstance(folder, str):
+            return folder
+        # train() was called another way: the Trainer's own default
+        if isinstance(args.resume_from_checkpoint, str):
+            return args.resume_from_checkpoint
+        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+
     def _resume(self, args, state) -> None:
-        folders = [args.resume_from_checkpoint] if isinstance(args.resume_from_checkpoint, str) \
-            else []
-        folders.append(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
-        path = next((self._state_path(f) for f in folders if os.path.isfile(self._state_path(f))),
-                    None)
-        if path is None:
+        folder = self._resume_folder(args, state)
+        path = self._state_path(folder)
+        saved, problem = None, None
+        if not os.path.isfile(path):
+            problem = f"{path} does not exist"
+        else:
+            saved = torch.load(path, weights_only=True)
+            try:
+                check_rank_state(saved, path)
+            except ValueError as exc:
+                problem = str(exc)
+            if problem is None and args.process_index == 0 and not _same_tensors(
+                    saved["model"], self.trainer.model.state_dict()):
+                problem = (f"{path} holds another model than the one the Trainer loaded from "
+                           f"{folder} (a file of another run or step)")
+        problems = [None] * dist.get_world_size(self._ddp.process_group)
+        dist.all_gather_object(problems, problem, group=self._ddp.process_group)
+        if any(problems):
             raise RuntimeError(
-                f"add_local_sgd: the Trainer resumed at step {state.global_step} but no "
-                f"averaging state was found ({', '.join(self._state_path(f) for f in folders)}); "
-                "without it every rank would restart from rank 0's model and the warm-up. "
-                "Resume from a checkpoint saved with this callback")
-        saved = torch.load(path, weights_only=True)
-        check_rank_state(saved, f"add_local_sgd ({path})")
+                f"add_local_sgd: the Trainer resumed from {folder} at step {state.global_step}, "
+                "but the averaging state there does not fit it: "
+                + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                + ". Without each rank's own state every rank would restart from rank 0's "
+                "model and the warm-up. Resume from a checkpoint folder saved with this "
+                "callback, as the run left it")
         load_rank_state(saved, self.trainer.model, [self.trainer.optimizer], self.handle)
 
     def on_save(self, args, state, control, **kwargs):
@@ -112,9 +158,21 @@ class LocalSGDCallback(TrainerCallback):
             if self.average_at_end:
                 self.handle.average()
         finally:
-            self.handle.remove()
-            self.handle = None
-            detach(self._ddp)
+            self._finish()
+
+    def _finish(self) -> None:
+        self.handle.remove()
+        self.handle = None
+        detach(self._ddp)
+
+
+def _same_tensors(a: dict, b: dict) -> bool:
+    """Whether two state dicts hold the same names and tensors (bit for bit)."""
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            return x.dtype == y.dtype and torch.equal(x.cpu(), y.detach().cpu())
+        return type(x) is type(y)  # a module's extra state: not compared
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
 
 
 def add_local_sgd(trainer, hook: Callable = hooks.allreduce_hook, state=None, *, period,
