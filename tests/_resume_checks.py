@@ -1,12 +1,14 @@
-"""Run under torchrun (2 ranks) by test_integrations.py: a framework's own checkpoint, taken
-mid-period, resumed in fresh processes, ends where an uninterrupted run does, bit for bit.
+"""Run under torchrun (2 ranks) by test_framework_resume.py: a framework's own checkpoint,
+taken mid-period (or, for ``accelerate_epochs``, between two ``LocalSGD`` blocks), resumed in
+fresh processes, ends where an uninterrupted run does, bit for bit.
 
 Usage: torchrun --standalone --nproc-per-node 2 tests/_resume_checks.py FRAMEWORK PHASE DIR
 
-FRAMEWORK is hf, accelerate or lightning; PHASE is ``straight`` (train to the end, keep
-every rank's result), ``stop`` (train to a step between two rounds, checkpoint there with
-the framework's own call, stop) or ``resume`` (resume that checkpoint, train to the end,
-compare every rank with ``straight``). Rank 0 prints ``check <name>: ...`` lines.
+FRAMEWORK is hf, accelerate, accelerate_epochs or lightning; PHASE is ``straight`` (train
+to the end, keep every rank's result), ``stop`` (train to a step between two rounds,
+checkpoint there with the framework's own call, stop) or ``resume`` (resume that
+checkpoint, train to the end, compare every rank with ``straight``). Rank 0 prints
+``check <name>: ...`` lines.
 """
 import glob
 import os
@@ -150,6 +152,77 @@ def accelerate(phase, folder):
     _finish(phase, folder, "accelerate", result)
 
 
+# --- Accelerate, a LocalSGD per epoch (accelerate's own pattern): 3 epochs of 6 steps, each
+# block warming up for 2 steps, then rounds every 2; save_state after epoch 1 ------------
+def accelerate_epochs(phase, folder):
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+
+    from ddp_avg_hooks.integrations.accelerate import LocalSGD
+
+    sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
+    from accelerate_local_sgd import make_model
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+
+    def local_sgd():
+        return LocalSGD(accelerator, model, local_sgd_steps=2, warmup_steps=2,
+                        hook=dah.hooks.fp16_compress_hook, optimizer=opt)
+    ckpt = os.path.join(folder, "accelerate_epochs_state")
+    first = 0
+    if phase == "resume":
+        local_sgd()  # made before load_state, as the accelerator's own objects
+        # a copy without rank 1's file: refused on every rank before anything loads
+        partial = ckpt + "_partial"
+        if dist.get_rank() == 0:
+            shutil.copytree(ckpt, partial)
+            os.remove(os.path.join(partial, "ddp_avg_hooks_rank1.pt"))
+        dist.barrier()
+        before = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+        try:
+            accelerator.load_state(partial)
+            refused = ""
+        except RuntimeError as exc:
+            refused = str(exc)
+        report("accelerate_epochs_partial_state_refused_on_every_rank",
+               "rank 1:" in refused and "does not exist" in refused
+               and torch.equal(before, torch.nn.utils.parameters_to_vector(model.parameters())),
+               refused[:200])
+        accelerator.load_state(ckpt)  # each rank's own model and momentum; no schedule
+        first = 2
+    for epoch in range(first, 3):
+        with local_sgd() as block:
+            for i in range(6):
+                g = torch.Generator().manual_seed(100 * epoch + i + 1000 * dist.get_rank())
+                x = torch.randn(8, 16, generator=g)
+                accelerator.backward(F.mse_loss(model(x), torch.sin(x[:, :4]).sum(1, keepdim=True)))
+                opt.step()
+                opt.zero_grad()
+                block.step()
+        if phase == "stop" and epoch == 1:
+            accelerator.save_state(ckpt)  # between blocks: every rank's momentum differs
+            report("accelerate_epochs_registered_once", len(accelerator._custom_objects) == 1,
+                   f"{len(accelerator._custom_objects)} objects registered for checkpointing")
+            break
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
+                          for p in model.parameters()])
+    rank = dist.get_rank()
+    path = os.path.join(folder, f"{phase}_epochs_rank{rank}.pt")
+    if phase == "straight":
+        torch.save({"params": params, "momentum": momentum}, path)
+    elif phase == "resume":
+        straight = torch.load(os.path.join(folder, f"straight_epochs_rank{rank}.pt"),
+                              weights_only=True)
+        report("accelerate_epochs_resume_is_bit_identical",
+               torch.equal(params, straight["params"])
+               and torch.equal(momentum, straight["momentum"]),
+               f"max |diff| {(params - straight['params']).abs().max().item():.1e}")
+
+
 # --- Lightning: rounds after steps 3, 8, ..., 63; the epoch ends after step 32 -----------
 def lightning(phase, folder):
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -174,5 +247,6 @@ def lightning(phase, folder):
 
 if __name__ == "__main__":
     framework, phase, folder = sys.argv[1:4]
-    {"hf": hf, "accelerate": accelerate, "lightning": lightning}[framework](phase, folder)
+    {"hf": hf, "accelerate": accelerate, "accelerate_epochs": accelerate_epochs,
+     "lightning": lightning}[framework](phase, folder)
     exit_cleanly()

@@ -12,11 +12,12 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-PACKAGES = {"hf": "transformers", "accelerate": "accelerate", "lightning": "lightning"}
+PACKAGES = {"hf": "transformers", "accelerate": "accelerate", "accelerate_epochs": "accelerate",
+            "lightning": "lightning"}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("framework", ["hf", "accelerate", "lightning"])
+@pytest.mark.parametrize("framework", ["hf", "accelerate", "accelerate_epochs", "lightning"])
 def test_a_mid_period_checkpoint_resumes_bit_identically(framework, tmp_path):
     pytest.importorskip(PACKAGES[framework])
     out = ""
@@ -28,6 +29,10 @@ def test_a_mid_period_checkpoint_resumes_bit_identically(framework, tmp_path):
         assert r.returncode == 0, f"{framework} {phase}:\n{(r.stdout + r.stderr)[-6000:]}"
         out += r.stdout
     assert f"check {framework}_resume_is_bit_identical: ok" in out, out
+    if framework == "accelerate_epochs":  # a LocalSGD per epoch, saved between two of them
+        assert "check accelerate_epochs_registered_once: ok" in out, out
+        assert "check accelerate_epochs_partial_state_refused_on_every_rank: ok" in out, out
+        return
     assert f"check {framework}_replicas_resumed_their_own_state: ok" in out, out
     if framework == "hf":  # another run's averaging state beside the Trainer's files
         assert "check hf_foreign_state_refused_on_every_rank: ok" in out, out

@@ -72,10 +72,11 @@ def to_cpu(obj):
     return map_tensors(lambda t: t.detach().cpu(), obj)
 
 
-def rank_state(module, optimizers, handle_state: dict) -> dict:
+def rank_state(module, optimizers, handle_state: dict | None) -> dict:
     """This rank's part of a framework checkpoint, on the CPU: its model, its optimizers'
-    states and its handle's. Frameworks save rank 0's model and optimizer only, but after
-    the warm-up each replica has its own parameters and momentum until the next round."""
+    states and its handle's (``None`` where no handle is registered). Frameworks save rank
+    0's model and optimizer only, but after the warm-up each replica has its own parameters
+    and momentum until the next round."""
     return to_cpu({"format": 1, "world_size": world_size(), "model": module.state_dict(),
                    "optimizers": [opt.state_dict() for opt in optimizers],
                    "averaging": handle_state})
@@ -97,8 +98,9 @@ def check_rank_state(saved: dict, where: str) -> None:
 @torch.no_grad()
 def load_rank_state(saved: dict, module, optimizers, handle) -> None:
     """Put :func:`rank_state` back: checked first (``handle.check_state_dict``), then the
-    model in place, the optimizers, the handle."""
-    handle.check_state_dict(saved["averaging"])
+    model in place, the optimizers, the handle (``None``: a state saved without one)."""
+    if handle is not None:
+        handle.check_state_dict(saved["averaging"])
     if len(saved["optimizers"]) != len(optimizers):
         raise ValueError(f"the checkpoint holds {len(saved['optimizers'])} optimizers' states, "
                          f"this run has {len(optimizers)}")
@@ -106,7 +108,8 @@ def load_rank_state(saved: dict, module, optimizers, handle) -> None:
         tensor.copy_(saved["model"][name])
     for opt, state in zip(optimizers, saved["optimizers"]):
         opt.load_state_dict(state)
-    handle.load_state_dict(saved["averaging"])
+    if handle is not None:
+        handle.load_state_dict(saved["averaging"])
 
 
 #: why a framework's sharded training cannot run local SGD, and what to do instead

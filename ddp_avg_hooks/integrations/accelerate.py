@@ -5,13 +5,19 @@ Same arguments, same use (``with LocalSGD(...) as local_sgd:`` around the loop,
 parameters are averaged by this library's hooks and the gradients are kept local by
 ``local_sgd_grad_hook`` instead of ``model.no_sync()``.
 
+Each ``with`` block runs its own schedule, as accelerate's class does: a block (one per
+epoch, say) starts with its warm-up, then rounds every ``local_sgd_steps`` steps.
+
 Checkpoints: ``accelerator.save_state`` stores rank 0's model and optimizer only, but after
-the warm-up every replica has its own parameters and momentum until the next round. So
-``LocalSGD`` registers with the accelerator: ``save_state`` also writes
-``ddp_avg_hooks_rank{r}.pt`` on every rank (its model, the ``optimizer=`` given, and the
-handle's state), and ``load_state`` puts each rank's back after Accelerate loaded rank
-0's (the handle's when the ``with`` block begins, if it has not begun yet). Make the
-``LocalSGD`` before ``accelerator.load_state``, as the accelerator's own objects.
+the warm-up every replica has its own parameters and momentum until the next round. So the
+``LocalSGD`` objects of one model register with the accelerator once, and the newest
+serves: ``save_state`` also writes ``ddp_avg_hooks_rank{r}.pt`` on every rank (its model,
+the ``optimizer=`` given, and inside a block the handle's state), and ``load_state`` puts
+each rank's back after Accelerate loaded rank 0's (the handle's when the ``with`` block
+begins, if it has not begun yet; a state saved between blocks has none, and the next block
+starts its own schedule, as it would have). Make a ``LocalSGD`` before
+``accelerator.load_state``, as the accelerator's own objects. A folder without every
+rank's file is refused on every rank before anything loads.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator, DistributedType
 
 from .. import hooks
@@ -28,6 +35,8 @@ from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_
                       load_rank_state, rank_state, world_size)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
+#: the file of the second, third, ... model with LocalSGD blocks on one accelerator
+MODEL_STATE_FILE = "ddp_avg_hooks_model{index}_rank{rank}.pt"
 
 _UNSUPPORTED = {getattr(DistributedType, name)
                 for name in ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA", "TPU")
@@ -51,8 +60,9 @@ class LocalSGD:
             ``accelerator.save_state`` (see the module); it does not step the handle,
             ``step()`` does.
 
-    The schedule is this library's (PyTorch's ``PeriodicModelAverager``'s): rounds after
-    optimizer steps ``warmup_steps + 1``, ``warmup_steps + 1 + local_sgd_steps``, ...;
+    The schedule is this library's (PyTorch's ``PeriodicModelAverager``'s), in each
+    ``with`` block: rounds after its optimizer steps ``warmup_steps + 1``,
+    ``warmup_steps + 1 + local_sgd_steps``, ...;
     accelerate's own class averages after steps ``local_sgd_steps``,
     ``2 * local_sgd_steps``, ... . ``step()`` counts an optimizer step only when
     ``accelerator.sync_gradients`` is true, so inside ``accelerator.accumulate(model)``
@@ -87,50 +97,23 @@ class LocalSGD:
                 "LocalSGD: model must be the DistributedDataParallel model that "
                 f"accelerator.prepare(model) returns, got {type(model).__name__}"
             )
-        self._last: dict | None = None  # the handle's state when the block ended
-        self._load_dir: str | None = None
         self._pending: dict | None = None  # a loaded handle state, waiting for the block
-        if self.enabled:
-            accelerator.register_save_state_pre_hook(self._save_hook)
-            accelerator.register_load_state_pre_hook(self._load_hook)
-            accelerator.register_for_checkpointing(self)
+        self._checkpoints = _Checkpoints.serve(self) if self.enabled else None
 
     # --- checkpoints (see the module) ----------------------------------------------
     def _optimizers(self) -> list:
         return [] if self.optimizer is None else [self.optimizer]
 
-    def _path(self, folder: str) -> str:
-        return os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index))
-
-    def _save_hook(self, models, weights, output_dir) -> None:
-        handle_state = self.handle.state_dict() if self.handle is not None else self._last
-        if handle_state is None:  # no block has begun: nothing of ours to save
-            return
-        os.makedirs(output_dir, exist_ok=True)
-        tmp = self._path(output_dir) + ".tmp"
+    def _save(self, path: str) -> None:
+        handle_state = None if self.handle is None else self.handle.state_dict()
+        tmp = path + ".tmp"
         torch.save(rank_state(self._ddp.module, self._optimizers(), handle_state), tmp)
-        os.replace(tmp, self._path(output_dir))
+        os.replace(tmp, path)
 
-    def _load_hook(self, models, input_dir) -> None:
-        self._load_dir = input_dir
-
-    def state_dict(self) -> dict:
-        """What Accelerate saves for this object (rank 0's): the world size; each rank's
-        own state is in its ``ddp_avg_hooks_rank{r}.pt``."""
-        return {"world_size": world_size()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Called by ``accelerator.load_state`` on every rank, after it loaded the models and
-        optimizers: load this rank's model, optimizer and handle state."""
-        path = self._path(self._load_dir)
-        if not os.path.isfile(path):
-            raise RuntimeError(
-                f"LocalSGD: accelerator.load_state({self._load_dir!r}) has no averaging state "
-                f"for this rank ({path}); without it every rank would restart from rank 0's "
-                "model and the warm-up. Load a state saved inside a LocalSGD block")
-        saved = torch.load(path, weights_only=True)
-        check_rank_state(saved, f"LocalSGD ({path})")
-        if self.handle is None:
+    def _load(self, saved: dict) -> None:
+        if saved["averaging"] is None:  # saved between blocks: no schedule to go on with
+            load_rank_state(saved, self._ddp.module, self._optimizers(), None)
+        elif self.handle is None:
             self._pending = saved  # the handle's part, once the block has begun
         else:
             load_rank_state(saved, self._ddp.module, self._optimizers(), self.handle)
@@ -152,7 +135,6 @@ class LocalSGD:
         try:
             if type is None:
                 self.handle.average()  # every replica leaves with the same model
-                self._last = self.handle.state_dict()
         finally:
             self.handle.remove()
             self.handle = None
@@ -163,3 +145,79 @@ class LocalSGD:
         self.num_steps += 1
         if self.handle is not None and self.accelerator.sync_gradients:
             self.handle.step()
+
+
+class _Checkpoints:
+    """The one registration of a model's ``LocalSGD`` objects with an accelerator's
+    ``save_state`` / ``load_state``, serving the newest of them.
+
+    Accelerate keeps every object registered for checkpointing for good, and
+    ``load_state`` expects as many as the saving run had; a ``LocalSGD`` made per epoch
+    would add one an epoch. So the objects of one model share one registration, whose
+    index among the accelerator's models with ``LocalSGD`` names its files.
+    """
+
+    def __init__(self, accelerator: Accelerator, ddp, index: int) -> None:
+        self.accelerator, self.ddp, self.index = accelerator, ddp, index
+        self.local_sgd: LocalSGD | None = None
+        self.loaded: dict | None = None  # this rank's file, read before Accelerate loads
+        accelerator.register_save_state_pre_hook(self.save_hook)
+        accelerator.register_load_state_pre_hook(self.load_hook)
+        accelerator.register_for_checkpointing(self)
+
+    @classmethod
+    def serve(cls, local_sgd: LocalSGD) -> "_Checkpoints":
+        """The registration of ``local_sgd``'s model (made the first time), now serving it."""
+        accelerator = local_sgd.accelerator
+        known = accelerator.__dict__.setdefault("_ddp_avg_hooks_checkpoints", [])
+        mine = next((c for c in known if c.ddp is local_sgd._ddp), None)
+        if mine is None:
+            mine = cls(accelerator, local_sgd._ddp, len(known))
+            known.append(mine)
+        mine.local_sgd = local_sgd
+        return mine
+
+    def path(self, folder: str) -> str:
+        rank = self.accelerator.process_index
+        name = (STATE_FILE.format(rank=rank) if self.index == 0
+                else MODEL_STATE_FILE.format(index=self.index, rank=rank))
+        return os.path.join(folder, name)
+
+    def save_hook(self, models, weights, output_dir) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self.local_sgd._save(self.path(output_dir))
+
+    def load_hook(self, models, input_dir) -> None:
+        """Before Accelerate loads anything: every rank has its file, or every rank raises."""
+        path = self.path(input_dir)
+        self.loaded, problem = None, None
+        if not os.path.isfile(path):
+            problem = f"{path} does not exist"
+        else:
+            self.loaded = torch.load(path, weights_only=True)
+            try:
+                check_rank_state(self.loaded, path)
+            except ValueError as exc:
+                problem = str(exc)
+        group = self.ddp.process_group
+        problems = [None] * dist.get_world_size(group)
+        dist.all_gather_object(problems, problem, group=group)
+        if any(problems):
+            raise RuntimeError(
+                f"LocalSGD: accelerator.load_state({input_dir!r}) has no averaging state that "
+                "fits this run: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems)
+                                              if p)
+                + ". Without each rank's own state every rank would restart from rank 0's "
+                "model and momentum. Load a state saved by accelerator.save_state with a "
+                "LocalSGD of this model made before it")
+
+    def state_dict(self) -> dict:
+        """What Accelerate saves for this object (rank 0's): the world size; each rank's
+        own state is in its own file."""
+        return {"world_size": world_size()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Called by ``accelerator.load_state`` on every rank after it loaded the models and
+        optimizers: this rank's own model, optimizer and handle state."""
+        loaded, self.loaded = self.loaded, None
+        self.local_sgd._load(loaded)
