@@ -193,6 +193,12 @@ class AveragingHandle(Joinable):
         return self._model is not None and self._model.sharded
 
     @property
+    def replica_group(self):
+        """With FSDP2, the process group of this rank's replica group (the shard mesh's:
+        the ranks that hold the other shards of the same replica); ``None`` for DDP."""
+        return self._model.replica_group if self.sharded else None
+
+    @property
     def stats(self) -> AveragingStats:
         """What averaging has cost so far on this rank (see :class:`AveragingStats`)."""
         return self._engine.stats

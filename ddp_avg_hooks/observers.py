@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import ops
 from ._groups import is_member
-from .collectives import gather_small
+from .collectives import backend_device, gather_small
 from .errors import AveragingHookError
 
 
@@ -58,7 +58,9 @@ def squared_distance(bucket, values: torch.Tensor, *, from_launch: bool = False,
 
 
 class ConsensusTracker(RoundObserver):
-    """``stats.consensus_distance``: mean over ranks of ``||params_r - average||^2``."""
+    """``stats.consensus_distance``: mean over replicas of ``||params_r - average||^2``,
+    over the whole model (with FSDP2, summed over the shards of each replica, so every
+    rank reports the same number)."""
 
     collective = True
 
@@ -71,8 +73,11 @@ class ConsensusTracker(RoundObserver):
         group = handle.process_group
         if not is_member(group):
             return
-        total = measured.reshape(1).to(handle.buckets[0].device)
+        total = measured.reshape(1).to(backend_device(group))
         dist.all_reduce(total, group=group)
+        shards = handle.replica_group
+        if shards is not None and dist.get_world_size(shards) > 1:
+            dist.all_reduce(total, group=shards)  # each replica's shards add up
         handle.stats.consensus_distance = float(total) / dist.get_world_size(group)
 
 

@@ -101,7 +101,8 @@ class AveragingOptions:
         "lands there). Not with time-based rounds (`EverySeconds`)"), agreed=True)
     track_consensus: bool = _option(False, (
         "bool: measure the replicas' mean squared distance from their average at each "
-        "round, `stats.consensus_distance` (one scalar all-reduce)"), agreed=True)
+        "round, `stats.consensus_distance` (one scalar all-reduce; with FSDP2 a second one "
+        "inside the replica group, adding up its shards)"), agreed=True)
     average_buffers: bool = _option(False, (
         "bool: average floating-point buffers (BatchNorm statistics) exactly at each round"),
         agreed=True)

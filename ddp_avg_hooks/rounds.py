@@ -106,8 +106,9 @@ class AveragingStats:
         seconds: wall-clock seconds spent in rounds (copies, hooks, waits, write-back).
         wait_seconds: the part of ``seconds`` spent waiting for hooks' futures.
         last_round_bytes: ``bytes_sent`` of the latest round.
-        consensus_distance: with ``track_consensus=True``, the mean over ranks of
-            ``||params_r - average||^2`` (all parameters) at the latest round.
+        consensus_distance: with ``track_consensus=True``, the mean over replicas of
+            ``||params_r - average||^2`` (all parameters; with FSDP2 every shard of the
+            replica, the same on every rank) at the latest round.
     """
 
     rounds: int = 0

@@ -405,3 +405,46 @@ def _rank_init_apart(rank, world_size):
 def test_fsdp2_replicas_built_apart_meet_at_the_first_round_with_a_warning():
     for out in run_ranks(_rank_init_apart, 4, timeout_s=120):
         assert out["warned"] == 1 and out["gaps"] == [0.0, 0.0]
+
+
+def _rank_consensus(rank, world_size):
+    """``track_consensus`` on shards against the distance computed here from the full
+    parameters of both replicas just before each round; with the test model and with one
+    whose shards on shard rank 1 are all empty."""
+    import torch.distributed as dist
+
+    from _helpers import batch
+
+    out = {}
+    for dims in (F.DIMS, (5, 1, 1)):  # (5, 1, 1): one row per layer, none on shard rank 1
+        model, replicate = F.sharded_model(2, dims=dims)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        handle = dah.register_averaging_hook(model, h.allreduce_hook, replicate, period=2,
+                                             track_consensus=True)
+        got, want = [], []
+        for step in range(5):
+            x, y = batch(rank, step, dims=dims)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if handle.is_averaging_step():
+                full = F.full_params(model).double()
+                every = [torch.empty_like(full) for _ in range(world_size)]
+                dist.all_gather(every, full)
+                replicas = (every[0], every[2])  # ranks 0-1 and 2-3 are the replica groups
+                mean = (replicas[0] + replicas[1]) / 2
+                want.append(sum(float((r - mean).pow(2).sum()) for r in replicas) / 2)
+                handle.step()
+                got.append(handle.stats.consensus_distance)
+            else:
+                handle.step()
+        handle.remove()
+        out[dims] = (got, want)
+    return out
+
+
+def test_consensus_distance_covers_the_whole_model_on_every_rank():
+    for out in run_ranks(_rank_consensus, 4, timeout_s=120):
+        for dims, (got, want) in out.items():
+            assert len(got) == len(want) >= 2 and min(want) > 0, (dims, got, want)
+            assert got == pytest.approx(want, rel=1e-9), (dims, got, want)
