@@ -41,9 +41,11 @@ _ADDED_SETTINGS = {"fragment_layout": "contiguous", "overlap_steps": None}
 
 def setting_name(key: str, theirs, mine) -> str:
     """The setting two configs' entries ``key`` differ in: ``key`` itself, or for
-    ``"hook_settings"`` the first hook setting that differs."""
+    ``"hook_settings"`` the first hook setting that differs, in the order the hook state
+    lists them (a class before its hyperparameters: another outer optimizer is named as
+    such, not by a setting only one of the two classes has)."""
     if key == "hook_settings" and isinstance(theirs, dict) and isinstance(mine, dict):
-        names = sorted(set(theirs) | set(mine))
+        names = [*mine, *(n for n in theirs if n not in mine)]
         return next((n for n in names if theirs.get(n, _MISSING) != mine.get(n, _MISSING)), key)
     return key
 

@@ -163,6 +163,8 @@ LISTED = {
     "start_powersgd_round": ("powersgd", {"start_powersgd_round": 3}, {}),
     "outer_lr": ("diloco", {"lr": 0.5}, {}),
     "outer_momentum": ("diloco", {"momentum": 0.0}, {}),
+    # another class, whose own settings (Adam's amsgrad, ...) the other side lacks
+    "outer_optimizer": ("diloco", {"optimizer": torch.optim.Adam}, {}),
     "residual_dtype": ("fp16", {"residual_dtype": None}, {}),
     "track_consensus": ("allreduce", {}, {"track_consensus": True}),
     "verify": ("allreduce", {}, {"verify": True}),
