@@ -9,6 +9,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.strategies import DDPStrategy
@@ -132,6 +133,20 @@ def main():
     except ValueError as exc:
         ok, detail = "differs" in str(exc), str(exc)[:90]
     report("resume_with_another_hook_raises", ok, detail)
+    # the same checkpoint without the callback's entry (as a run without it saves)
+    bare = os.path.join(ckpt_dir, "without_callback.ckpt")
+    if dist.get_rank() == 0:
+        checkpoint = torch.load(path, weights_only=False)
+        del checkpoint["callbacks"]["AveragingCallback"]
+        torch.save(checkpoint, bare)
+    dist.barrier()
+    try:
+        ex.fit([AveragingCallback(dah.hooks.fp16_compress_hook, **opts)], max_steps=-1,
+               max_epochs=2, ckpt_path=bare)
+        ok, detail = False, "no error"
+    except RuntimeError as exc:
+        ok, detail = "without this callback's state" in str(exc), str(exc)[:90]
+    report("resume_without_the_callbacks_state_raises", ok, detail)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def test_lightning(tmp_path):
                     "checkpoint_has_each_ranks_state",
                     "resume_matches_uninterrupted",
                     "resume_with_another_hook_raises",
+                    "resume_without_the_callbacks_state_raises",
                 ], str(tmp_path))
 
 

@@ -8,8 +8,11 @@ Checkpoints: Lightning saves rank 0's model and optimizer only, but after the wa
 every replica has its own parameters and momentum until the next round. So the
 callback's entry in a checkpoint holds every rank's model, optimizers and handle state,
 and on ``fit(ckpt_path=...)`` each rank puts its own back at ``on_train_start``, after
-Lightning restored rank 0's: the run goes on exactly as an uninterrupted one would, from
-any step.
+Lightning restored rank 0's: every replica goes on from exactly its own state at that step.
+The run as a whole goes on bit for bit where Lightning resumes the data so too: from a
+checkpoint at an epoch's end, or with a resumable (stateful) data loader; from the middle
+of an epoch Lightning restarts a plain loader's epoch (and warns). A checkpoint without
+this callback's state is refused, since every rank would restart from rank 0's model.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class AveragingCallback(Callback):
         self._ddp = None
         self._trainer = self._module = None
         self._loaded: dict | None = None  # a checkpoint's entry, waiting for the handle
+        self._restored = False  # whether this fit put a checkpoint's entry back
         self._last: dict | None = None    # this rank's state when fit ended
 
     # --- fit ----------------------------------------------------------------------
@@ -100,6 +104,7 @@ class AveragingCallback(Callback):
             raise ValueError(f"AveragingCallback: optimizer_index={index}, but the trainer "
                              f"has {n} optimizers")
         self._ddp, self._trainer, self._module = ddp, trainer, pl_module
+        self._restored = False
         self.handle = register_averaging_hook(
             ddp, self.hook, self.state, period=self.period, warmup_steps=self.warmup_steps,
             optimizer=trainer.optimizers[index], **self.options)
@@ -109,9 +114,18 @@ class AveragingCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         # after Lightning restored rank 0's model and optimizers: each rank's own
-        if self._loaded is not None and self.handle is not None:
+        if self.handle is None:
+            return
+        if self._loaded is not None:
             self._apply(self._loaded, trainer.global_rank)
             self._loaded = None
+        elif trainer.ckpt_path is not None and trainer.global_step > 0 and not self._restored:
+            raise RuntimeError(
+                f"AveragingCallback: fit(ckpt_path={trainer.ckpt_path!r}) resumed at step "
+                f"{trainer.global_step} from a checkpoint without this callback's state "
+                "(saved without AveragingCallback): every rank would restart from rank 0's "
+                "model and momentum, and the schedule from step 0. Resume from a checkpoint "
+                "saved with AveragingCallback, or fit without ckpt_path")
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if self.handle is not None and self.average_at_end:
@@ -164,3 +178,4 @@ class AveragingCallback(Callback):
         mine = state_dict["ranks"][rank]
         check_rank_state(mine, "AveragingCallback")
         load_rank_state(mine, self._module, self._trainer.optimizers, self.handle)
+        self._restored = True
