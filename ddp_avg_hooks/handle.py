@@ -315,10 +315,12 @@ class AveragingHandle(Joinable):
             warnings.warn(
                 f"the replicas' parameters differ at the end of the warm-up (step "
                 f"{self._step_count + 1} of warmup_steps={self._options.warmup_steps}): their "
-                "gradients were not averaged during it. The changes now start from the "
-                "replicas' average, so the first round brings them together; to average "
-                "gradients during the warm-up, register grad_hooks.local_sgd_grad_hook as the "
-                "DDP comm hook, or call grad_hooks.register_fsdp_grad_hooks for an FSDP2 model",
+                "gradients were not averaged during it, or they started apart (FSDP2 "
+                "broadcasts nothing across replica groups: build the model after the same "
+                "torch.manual_seed everywhere). The changes now start from the replicas' "
+                "average, so the first round brings them together; to average gradients "
+                "during the warm-up, register grad_hooks.local_sgd_grad_hook as the DDP comm "
+                "hook, or call grad_hooks.register_fsdp_grad_hooks for an FSDP2 model",
                 stacklevel=3)
 
     def _due_in_replica(self, fragment: int | None) -> int | None:

@@ -110,8 +110,10 @@ class AveragingOptions:
         "`\"keep\"`, `\"average\"` or `\"reset\"`: what a round does to the optimizer's "
         "momentum and Adam moments (average them exactly, or zero them); needs `optimizer=`. "
         "With `\"average\"`, each round first checks that every rank holds the same state "
-        "tensors (one small all-gather): state that differs, from another optimizer class "
-        "or settings, is a `SettingsMismatchError` on every rank"),
+        "tensors (one small all-gather): state tensors that differ in name, shape or dtype "
+        "(another optimizer class, or a setting that changes them, such as Adam's "
+        "`amsgrad`) are a `SettingsMismatchError` on every rank; hyperparameters that "
+        "leave the tensors alike (Adam's `betas`) are not compared"),
         agreed=True)
     on_round: Callable | None = _option(None, (
         "`callable(handle)`: runs on every rank after each round"))
