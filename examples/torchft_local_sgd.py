@@ -85,6 +85,7 @@ def launch(args) -> int:
             if w.poll() is None:
                 w.kill()
         lighthouse.kill()
+        shutil.rmtree(sync, ignore_errors=True)
     survivors = [c for r, c in enumerate(codes) if r != args.kill_replica]
     return 0 if all(c == 0 for c in survivors) else 1
 

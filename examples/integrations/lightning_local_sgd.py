@@ -36,7 +36,7 @@ def data(n=1024, batch_size=16):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 16, generator=g)
     y = torch.sin(x[:, :4]).sum(1, keepdim=True)
-    # Lightning adds a DistributedSampler: rank r reads its own half, in order
+    # Lightning adds a DistributedSampler (shuffled each epoch): each rank reads its own half
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
 
 
