@@ -128,12 +128,17 @@ def accelerate(phase, folder):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, opt, loader = accelerator.prepare(model, opt, batches())
-    local_sgd = LocalSGD(accelerator, model, local_sgd_steps=4, warmup_steps=4,
-                         hook=dah.hooks.fp16_compress_hook, optimizer=opt)
+    def make_local_sgd():
+        return LocalSGD(accelerator, model, local_sgd_steps=4, warmup_steps=4,
+                        hook=dah.hooks.fp16_compress_hook, optimizer=opt)
+    local_sgd = make_local_sgd()
     ckpt = os.path.join(folder, "accelerate_state")
     start = 0
     if phase == "resume":
         accelerator.load_state(ckpt)  # each rank's own model, optimizer and averaging state
+        # the block in a LocalSGD of its own, as a loop making one per epoch would: the
+        # state the first one loaded goes to it
+        local_sgd = make_local_sgd()
         start = 7
         loader = accelerator.skip_first_batches(loader, start)
     with local_sgd:

@@ -97,7 +97,6 @@ class LocalSGD:
                 "LocalSGD: model must be the DistributedDataParallel model that "
                 f"accelerator.prepare(model) returns, got {type(model).__name__}"
             )
-        self._pending: dict | None = None  # a loaded handle state, waiting for the block
         self._checkpoints = _Checkpoints.serve(self) if self.enabled else None
 
     # --- checkpoints (see the module) ----------------------------------------------
@@ -114,7 +113,9 @@ class LocalSGD:
         if saved["averaging"] is None:  # saved between blocks: no schedule to go on with
             load_rank_state(saved, self._ddp.module, self._optimizers(), None)
         elif self.handle is None:
-            self._pending = saved  # the handle's part, once the block has begun
+            # saved inside a block: all of it once a block begins, in whichever LocalSGD
+            # of this model (one made per epoch, say, after the one that loaded it)
+            self._checkpoints.pending = saved
         else:
             load_rank_state(saved, self._ddp.module, self._optimizers(), self.handle)
 
@@ -124,8 +125,8 @@ class LocalSGD:
                 self._ddp, self.hook, self.state, period=self.local_sgd_steps,
                 warmup_steps=self.warmup_steps, **self.options)
             GradSync.attach(self._ddp, self.handle)
-            if self._pending is not None:
-                pending, self._pending = self._pending, None
+            pending, self._checkpoints.pending = self._checkpoints.pending, None
+            if pending is not None:
                 load_rank_state(pending, self._ddp.module, self._optimizers(), self.handle)
         return self
 
@@ -161,6 +162,7 @@ class _Checkpoints:
         self.accelerator, self.ddp, self.index = accelerator, ddp, index
         self.local_sgd: LocalSGD | None = None
         self.loaded: dict | None = None  # this rank's file, read before Accelerate loads
+        self.pending: dict | None = None  # a state saved inside a block, for the next block
         accelerator.register_save_state_pre_hook(self.save_hook)
         accelerator.register_load_state_pre_hook(self.load_hook)
         accelerator.register_for_checkpointing(self)
