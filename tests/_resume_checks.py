@@ -5,10 +5,11 @@ fresh processes, ends where an uninterrupted run does, bit for bit.
 Usage: torchrun --standalone --nproc-per-node 2 tests/_resume_checks.py FRAMEWORK PHASE DIR
 
 FRAMEWORK is hf, accelerate, accelerate_epochs or lightning; PHASE is ``straight`` (train
-to the end, keep every rank's result), ``stop`` (train to a step between two rounds,
-checkpoint there with the framework's own call, stop) or ``resume`` (resume that
-checkpoint, train to the end, compare every rank with ``straight``). Rank 0 prints
-``check <name>: ...`` lines.
+to the end without stopping, checkpointing with the framework's own call at a step between
+two rounds on the way, and keep every rank's result) or ``resume`` (resume that checkpoint
+in these fresh processes, train to the end, compare every rank with ``straight``). Saving
+changes nothing in a run, so the checkpoint is the one a run that stopped there would
+leave. Rank 0 prints ``check <name>: ...`` lines.
 """
 import glob
 import os
@@ -54,18 +55,13 @@ def _finish(phase, folder, name, result):
 
 # --- Hugging Face Trainer: rounds after optimizer steps 5, 9, 13; checkpoint at step 7 ----
 def hf(phase, folder):
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
     from transformers import TrainingArguments
 
     from ddp_avg_hooks.integrations.transformers import add_local_sgd
 
     sys.path.insert(0, os.path.join(HERE, os.pardir, "examples", "integrations"))
     from hf_trainer_local_sgd import Tokens
-
-    class StopAt(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 7:
-                control.should_training_stop = True
 
     def trainer_with_local_sgd(out):
         torch.manual_seed(0)
@@ -77,12 +73,11 @@ def hf(phase, folder):
                                  report_to=[], save_strategy="steps", save_steps=7,
                                  logging_strategy="no", disable_tqdm=True, seed=3,
                                  ddp_find_unused_parameters=False)
-        trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(),
-                          callbacks=[StopAt()] if phase == "stop" else [])
+        trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens())
         return trainer, add_local_sgd(trainer, dah.hooks.fp16_compress_hook, period=4,
                                       warmup_steps=4, average_at_end=False)
 
-    saved = os.path.join(folder, "hf", "checkpoint-7")
+    saved = os.path.join(folder, "hf_straight", "checkpoint-7")
     if phase == "resume":
         # the Trainer's files of step 7 with the averaging state of step 14 (the straight
         # run's): refused on every rank, nothing trained
@@ -103,12 +98,12 @@ def hf(phase, folder):
         report("hf_foreign_state_refused_on_every_rank",
                "rank 0:" in refused and "holds another model" in refused
                and trainer.state.global_step == 7, refused[:300])
-    # straight and stop train in their own folders; resume reads stop's checkpoint from
-    # another output_dir, as resume_from_checkpoint allows
-    out = os.path.join(folder, {"straight": "hf_straight", "stop": "hf"}.get(phase, "hf_resumed"))
+    # the resumed run reads the checkpoint from another output_dir, as
+    # resume_from_checkpoint allows
+    out = os.path.join(folder, "hf_straight" if phase == "straight" else "hf_resumed")
     trainer, local_sgd = trainer_with_local_sgd(out)
     trainer.train(resume_from_checkpoint=saved if phase == "resume" else None)
-    if phase == "stop":
+    if phase == "straight":
         report("hf_saved_each_ranks_state",
                len(glob.glob(os.path.join(saved, "ddp_avg_hooks_rank*.pt"))) == 2, "")
     _finish(phase, folder, "hf", _result(trainer.model, local_sgd.stats, trainer.state.global_step))
@@ -143,9 +138,8 @@ def accelerate(phase, folder):
         loader = accelerator.skip_first_batches(loader, start)
     with local_sgd:
         for step, (x, y) in enumerate(loader, start=start):
-            if phase == "stop" and step == 7:
+            if phase == "straight" and step == 7:
                 accelerator.save_state(ckpt)
-                break
             if step == 14:
                 break
             loss = F.mse_loss(model(x), y)
@@ -207,11 +201,10 @@ def accelerate_epochs(phase, folder):
                 opt.step()
                 opt.zero_grad()
                 block.step()
-        if phase == "stop" and epoch == 1:
+        if phase == "straight" and epoch == 1:
             accelerator.save_state(ckpt)  # between blocks: every rank's momentum differs
             report("accelerate_epochs_registered_once", len(accelerator._custom_objects) == 1,
                    f"{len(accelerator._custom_objects)} objects registered for checkpointing")
-            break
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
                           for p in model.parameters()])
@@ -241,12 +234,12 @@ def lightning(phase, folder):
                                  average_at_end=False)
     ckpt_dir = os.path.join(folder, "lightning")
     callbacks = [callback]
-    if phase == "stop":
+    if phase == "straight":  # the end of epoch 1 (step 32, between two rounds)
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1,
                                          save_on_train_epoch_end=True))
-    path = glob.glob(os.path.join(ckpt_dir, "*.ckpt"))[0] if phase == "resume" else None
-    trainer, model = ex.fit(callbacks, max_steps=-1, max_epochs=1 if phase == "stop" else 2,
-                            enable_checkpointing=phase == "stop", ckpt_path=path)
+    path = glob.glob(os.path.join(ckpt_dir, "*step=32*.ckpt"))[0] if phase == "resume" else None
+    trainer, model = ex.fit(callbacks, max_steps=-1, max_epochs=2,
+                            enable_checkpointing=phase == "straight", ckpt_path=path)
     _finish(phase, folder, "lightning", _result(model, callback.stats, trainer.global_step))
 
 

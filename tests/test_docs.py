@@ -31,7 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
 
 
-@pytest.fixture(scope="module")
+# session-scoped: xdist runs other modules' tests between these on the same worker, and a
+# module-scoped build would be torn down and made again (30 s of sphinx each time)
+@pytest.fixture(scope="session")
 def built(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("html")
     proc = subprocess.run(
@@ -41,7 +43,7 @@ def built(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def inventory(built) -> dict[str, str]:
     """Every object the build documents: ``{name: role}`` read from ``objects.inv``."""
     data = (built / "objects.inv").read_bytes()

@@ -177,7 +177,7 @@ def _four_ranks(rank, world_size):
             for g, group in groups.items() for bits in (8, 4) if rank < g}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def four():
     return run_ranks(_four_ranks, 4, timeout_s=120)
 
@@ -409,7 +409,7 @@ def _two_ranks(rank, world_size):
             ("overlap", 8): _overlap(rank, 8)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two():
     return run_ranks(_two_ranks, 2, timeout_s=120)
 
