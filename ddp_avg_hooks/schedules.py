@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Callable, Mapping
 
@@ -123,8 +124,16 @@ class StepwisePeriod(PeriodSchedule):
         self.initial = _check_period("initial", initial)
         if not isinstance(milestones, Mapping):
             raise TypeError(f"milestones must map step -> period, got {type(milestones).__name__}")
-        self.milestones = {int(k): _check_period(f"milestones[{k}]", v)
-                           for k, v in sorted(milestones.items())}
+        steps = {}
+        for k, v in milestones.items():
+            try:
+                step = None if isinstance(k, bool) else operator.index(k)
+            except TypeError:
+                step = None
+            if step is None or step < 0:
+                raise ValueError(f"milestones: each key must be a step, an int >= 0, got {k!r}")
+            steps[step] = _check_period(f"milestones[{k}]", v)
+        self.milestones = dict(sorted(steps.items()))
         self._current = initial
 
     def next_period(self, step: int) -> int:
@@ -149,7 +158,8 @@ class AdaCommPeriod(PeriodSchedule):
     Feed it every step's loss with :meth:`observe`. At each round the mean loss since
     the previous round is averaged across ranks (one 2-element allreduce, so every rank
     decides the same) and the next period is
-    ``ceil(initial * sqrt(loss / first_loss))``, clamped to ``[min_period, initial]``.
+    ``ceil(initial * sqrt(loss / first_loss))``, clamped to ``[min_period, initial]``:
+    it follows the loss, so an interval whose mean loss rose lengthens it again.
 
     Example:
         >>> s = AdaCommPeriod(initial=16, min_period=2)

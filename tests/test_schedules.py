@@ -23,6 +23,8 @@ def test_step_schedules():
     (lambda: ConstantPeriod(0), ValueError, "period must be >= 1"),
     (lambda: ConstantPeriod(True), TypeError, "period must be an int"),
     (lambda: StepwisePeriod(2, [(10, 4)]), TypeError, "milestones must map step -> period"),
+    (lambda: StepwisePeriod(2, {-5: 4}), ValueError, "each key must be a step, an int >= 0"),
+    (lambda: StepwisePeriod(2, {"10": 4}), ValueError, "each key must be a step"),
     (lambda: AdaCommPeriod(4, min_period=8), ValueError, r"min_period \(8\) must be <= initial"),
     (lambda: EverySeconds(0), ValueError, "seconds must be > 0 and finite"),
     (lambda: EverySeconds(float("inf")), ValueError, "seconds must be > 0 and finite"),
