@@ -242,7 +242,8 @@ class EverySeconds(PeriodSchedule):
       average; not ``outer_optimizer``) does not wait for it: it starts at once from the
       previous round's total, and the result's change is rescaled to the true total
       before it is applied. Other hooks, and each fragment's first two rounds, wait for
-      the total first. Needs anchors, which the handle then keeps.
+      the total first. Needs anchors, which the handle then keeps. A round in which no
+      rank stepped (a first round with no warm-up, say) is the plain average.
     * ``"equal"``: the plain average, whatever the steps. With unequal local steps this
       optimizes a different objective: FedNova (Wang et al. 2020) shows plain averaging
       of unequal amounts of local work is biased towards the objectives of the ranks
