@@ -178,10 +178,9 @@ class AveragingHandle(Joinable):
         self._schedule.bind(self.process_group)
         # time-based rounds of a sharded model: the ranks of a replica group step together,
         # so they decide together whether a round is due (one flag, inside the group)
-        self._replica_group = None
-        if model is not None and model.sharded and self._plan.timed \
-                and dist.get_world_size(model.replica_group) > 1:
-            self._replica_group = model.replica_group
+        self._due_group = None
+        if self.sharded and self._plan.timed and dist.get_world_size(self.replica_group) > 1:
+            self._due_group = self.replica_group
 
     # --- schedule ---------------------------------------------------------------------
     @property
@@ -288,7 +287,7 @@ class AveragingHandle(Joinable):
                 if rnd.done() or overdue:
                     self._finish(rnd)
         fragment = self._plan.due(self._step_count)
-        if self._replica_group is not None:
+        if self._due_group is not None:
             fragment = self._due_in_replica(fragment)
         averaging = fragment is not None
         for rnd in list(self._in_flight):
@@ -327,7 +326,7 @@ class AveragingHandle(Joinable):
         """A time-based round is due on every rank of this replica group once it is due on
         one of them (their clocks differ; their steps may not)."""
         flag = torch.tensor([0 if fragment is None else 1], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._replica_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._due_group)
         if fragment is None and flag.item():
             return self._plan.rounds % self._plan.fragments
         return fragment

@@ -3,6 +3,8 @@ each rank's part of a framework checkpoint."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -80,6 +82,40 @@ def rank_state(module, optimizers, handle_state: dict | None) -> dict:
     return to_cpu({"format": 1, "world_size": world_size(), "model": module.state_dict(),
                    "optimizers": [opt.state_dict() for opt in optimizers],
                    "averaging": handle_state})
+
+
+def write_rank_state(path: str, module, optimizers, handle_state: dict | None) -> None:
+    """Write :func:`rank_state` to ``path`` whole or not at all (a temporary file, then a
+    rename), making its folder if needed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    torch.save(rank_state(module, optimizers, handle_state), tmp)
+    os.replace(tmp, path)
+
+
+def read_rank_state(path: str) -> tuple[dict | None, str | None]:
+    """This rank's file from :func:`write_rank_state`, and what keeps it from loading into
+    this run (``None`` if nothing): a missing file, another number of processes."""
+    if not os.path.isfile(path):
+        return None, f"{path} does not exist"
+    saved = torch.load(path, weights_only=True)
+    try:
+        check_rank_state(saved, path)
+    except ValueError as exc:
+        return saved, str(exc)
+    return saved, None
+
+
+def refuse_together(problem: str | None, group, what: str, advice: str) -> None:
+    """Raise ``RuntimeError`` on every rank of ``group`` if any rank has a ``problem``,
+    naming each such rank's, so that no rank goes on while another one stopped
+    (collective: one ``all_gather_object``)."""
+    problems: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    if any(problems):
+        raise RuntimeError(f"{what}: " + "; ".join(f"rank {r}: {p}"
+                                                   for r, p in enumerate(problems) if p)
+                           + ". " + advice)
 
 
 def world_size() -> int:

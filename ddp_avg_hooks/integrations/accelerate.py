@@ -26,13 +26,12 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator, DistributedType
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_ddp,
-                      load_rank_state, rank_state, world_size)
+from ._common import (SHARDED_REFUSAL, GradSync, detach, find_ddp, load_rank_state,
+                      read_rank_state, refuse_together, world_size, write_rank_state)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 #: the file of the second, third, ... model with LocalSGD blocks on one accelerator
@@ -104,10 +103,8 @@ class LocalSGD:
         return [] if self.optimizer is None else [self.optimizer]
 
     def _save(self, path: str) -> None:
-        handle_state = None if self.handle is None else self.handle.state_dict()
-        tmp = path + ".tmp"
-        torch.save(rank_state(self._ddp.module, self._optimizers(), handle_state), tmp)
-        os.replace(tmp, path)
+        write_rank_state(path, self._ddp.module, self._optimizers(),
+                         None if self.handle is None else self.handle.state_dict())
 
     def _load(self, saved: dict) -> None:
         if saved["averaging"] is None:  # saved between blocks: no schedule to go on with
@@ -186,32 +183,18 @@ class _Checkpoints:
         return os.path.join(folder, name)
 
     def save_hook(self, models, weights, output_dir) -> None:
-        os.makedirs(output_dir, exist_ok=True)
         self.local_sgd._save(self.path(output_dir))
 
     def load_hook(self, models, input_dir) -> None:
         """Before Accelerate loads anything: every rank has its file, or every rank raises."""
-        path = self.path(input_dir)
-        self.loaded, problem = None, None
-        if not os.path.isfile(path):
-            problem = f"{path} does not exist"
-        else:
-            self.loaded = torch.load(path, weights_only=True)
-            try:
-                check_rank_state(self.loaded, path)
-            except ValueError as exc:
-                problem = str(exc)
-        group = self.ddp.process_group
-        problems = [None] * dist.get_world_size(group)
-        dist.all_gather_object(problems, problem, group=group)
-        if any(problems):
-            raise RuntimeError(
-                f"LocalSGD: accelerator.load_state({input_dir!r}) has no averaging state that "
-                "fits this run: " + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems)
-                                              if p)
-                + ". Without each rank's own state every rank would restart from rank 0's "
-                "model and momentum. Load a state saved by accelerator.save_state with a "
-                "LocalSGD of this model made before it")
+        self.loaded, problem = read_rank_state(self.path(input_dir))
+        refuse_together(
+            problem, self.ddp.process_group,
+            f"LocalSGD: accelerator.load_state({input_dir!r}) has no averaging state that fits "
+            "this run",
+            "Without each rank's own state every rank would restart from rank 0's model and "
+            "momentum. Load a state saved by accelerator.save_state with a LocalSGD of this "
+            "model made before it")
 
     def state_dict(self) -> dict:
         """What Accelerate saves for this object (rank 0's): the world size; each rank's

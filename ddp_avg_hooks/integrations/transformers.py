@@ -22,14 +22,13 @@ import os
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_ddp,
-                      load_rank_state, rank_state)
+from ._common import (SHARDED_REFUSAL, GradSync, detach, find_ddp, load_rank_state,
+                      read_rank_state, refuse_together, write_rank_state)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 
@@ -112,40 +111,27 @@ class LocalSGDCallback(TrainerCallback):
     def _resume(self, args, state) -> None:
         folder = self._resume_folder(args, state)
         path = self._state_path(folder)
-        saved, problem = None, None
-        if not os.path.isfile(path):
-            problem = f"{path} does not exist"
-        else:
-            saved = torch.load(path, weights_only=True)
-            try:
-                check_rank_state(saved, path)
-            except ValueError as exc:
-                problem = str(exc)
-            if problem is None and args.process_index == 0 and not _same_tensors(
-                    saved["model"], self.trainer.model.state_dict()):
-                problem = (f"{path} holds another model than the one the Trainer loaded from "
-                           f"{folder} (a file of another run or step)")
-        problems = [None] * dist.get_world_size(self._ddp.process_group)
-        dist.all_gather_object(problems, problem, group=self._ddp.process_group)
-        if any(problems):
-            raise RuntimeError(
-                f"add_local_sgd: the Trainer resumed from {folder} at step {state.global_step}, "
-                "but the averaging state there does not fit it: "
-                + "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-                + ". Without each rank's own state every rank would restart from rank 0's "
-                "model and the warm-up. Resume from a checkpoint folder saved with this "
-                "callback, as the run left it")
+        saved, problem = read_rank_state(path)
+        if problem is None and args.process_index == 0 and not _same_tensors(
+                saved["model"], self.trainer.model.state_dict()):
+            problem = (f"{path} holds another model than the one the Trainer loaded from "
+                       f"{folder} (a file of another run or step)")
+        refuse_together(
+            problem, self._ddp.process_group,
+            f"add_local_sgd: the Trainer resumed from {folder} at step {state.global_step}, "
+            "but the averaging state there does not fit it",
+            "Without each rank's own state every rank would restart from rank 0's model and "
+            "the warm-up. Resume from a checkpoint folder saved with this callback, as the run "
+            "left it")
         load_rank_state(saved, self.trainer.model, [self.trainer.optimizer], self.handle)
 
     def on_save(self, args, state, control, **kwargs):
         if self.handle is None:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        os.makedirs(folder, exist_ok=True)  # another node's rank 0 made it on its own disk
-        saved = rank_state(self.trainer.model, [self.trainer.optimizer], self.handle.state_dict())
-        tmp = self._state_path(folder) + ".tmp"
-        torch.save(saved, tmp)
-        os.replace(tmp, self._state_path(folder))
+        # each node's rank 0 makes the folder on its own disk; the other ranks may be first
+        write_rank_state(
+            self._state_path(os.path.join(args.output_dir, f"checkpoint-{state.global_step}")),
+            self.trainer.model, [self.trainer.optimizer], self.handle.state_dict())
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.handle is not None:
