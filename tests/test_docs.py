@@ -74,6 +74,16 @@ def _text(page: Path) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
 
 
+def test_the_docs_tests_run_on_one_worker(request):
+    # `make test` builds the docs once only if pytest-xdist keeps this module's
+    # xdist_group on one worker; it marks the group's tests by their ids
+    if getattr(request.config.option, "loadgroup", False):
+        assert request.node.nodeid.endswith("@docs"), (
+            "pytest-xdist split the xdist_group 'docs' (and every other group) between "
+            "workers: this pytest-xdist does not work with this pytest (pytest-xdist 3.8 "
+            "needs pytest < 9.2); install the versions pyproject.toml's test extra names")
+
+
 @pytest.mark.parametrize("package", [ddp_avg_hooks, hooks], ids=lambda p: p.__name__)
 def test_every_public_name_is_documented_and_listed(package, built, inventory):
     page = (built / "api" / f"{package.__name__.removeprefix('ddp_avg_hooks.')}.html")
