@@ -8,7 +8,8 @@
 // AVX2 (checked at run time, and switched with dah_cpu_simd) 8 values go at a time. Both
 // bodies do the same float32 operations in the same order as ddp_avg_hooks/_quantize.py:
 // an add, a division, a round half to even, a clamp, a multiply and a subtraction, never
-// fused (no FMA), so the results are bit-identical.
+// fused (no FMA), so the results are bit-identical. A block holding nan or inf gets a nan
+// or inf scale and codes 0, as there.
 
 #include "kernels.h"
 
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -31,6 +33,9 @@
 #endif
 
 namespace {
+
+// max(r, a) that keeps a nan, like torch.amax: once r is nan, no comparison changes it
+inline float nan_max(float r, float a) { return (a > r || std::isnan(a)) ? a : r; }
 
 struct Layout {
   int bits;
@@ -94,17 +99,19 @@ bool kAvx2 = kHasAvx2;
 // |v| max of 8-value groups of the valid part: returns how many values it covered.
 DAH_AVX2 int64_t absmax_avx2(const float* x, const float* e, int64_t n, float* amax) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 m = _mm256_setzero_ps();
+  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     __m256 v = _mm256_loadu_ps(x + j);
     if (e != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(e + j));
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));  // drops a NaN: kept apart
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
   float r = *amax;
-  for (float l : lanes) r = l > r ? l : r;
+  for (float l : lanes) r = nan_max(r, l);
+  if (_mm256_movemask_ps(nan) != 0) r = std::numeric_limits<float>::quiet_NaN();
   *amax = r;
   return j;
 }
@@ -210,24 +217,22 @@ void quant_block(const Layout& L, const float* x, const float* e, float* e_out, 
 #ifdef DAH_Q_AVX2
   if (kAvx2) j = absmax_avx2(x, e, valid, &amax);
 #endif
-  for (; j < valid; ++j) {
-    const float v = e == nullptr ? x[j] : x[j] + e[j];
-    const float a = std::fabs(v);
-    amax = a > amax ? a : amax;
-  }
+  for (; j < valid; ++j) amax = nan_max(amax, std::fabs(e == nullptr ? x[j] : x[j] + e[j]));
   const float scale = amax * L.inv_qmax;
   const float divisor = scale == 0.0f ? 1.0f : scale;
+  // a block holding nan or inf: codes 0 under its nan / inf scale, so every value of
+  // the block decodes to nan (0 * scale) and the residual holds nan too
+  const bool finite = std::isfinite(scale);
   std::memcpy(scale_out, &scale, sizeof scale);
   j = 0;
 #ifdef DAH_Q_AVX2
-  if (kAvx2) j = quant_block_avx2(L, x, e, e_out, valid, scale, divisor, codes);
+  if (kAvx2 && finite) j = quant_block_avx2(L, x, e, e_out, valid, scale, divisor, codes);
 #endif
   for (; j < L.block; ++j) {
     float c = 0.0f;
     if (j < valid) {
       const float v = e == nullptr ? x[j] : x[j] + e[j];
-      c = std::nearbyint(v / divisor);
-      c = std::min(std::max(c, -L.qmax), L.qmax);
+      if (finite) c = std::min(std::max(std::nearbyint(v / divisor), -L.qmax), L.qmax);
       if (e_out != nullptr) e_out[j] = v - c * scale;
     }
     const int q = static_cast<int>(c);

@@ -46,10 +46,18 @@ __device__ __forceinline__ float value(const float* x, const float* e, int64_t g
   return e == nullptr ? x[g] : __fadd_rn(x[g], e[g]);
 }
 
-// the code of a value, as a float: clamp(round_half_even(v / divisor), -Q, Q)
-__device__ __forceinline__ float quant_one(const QLayout& L, float v, float divisor) {
+// the code of a value, as a float: clamp(round_half_even(v / divisor), -Q, Q); 0 in a
+// block whose scale is nan or inf (it holds nan or inf), so all its values decode to nan
+__device__ __forceinline__ float quant_one(const QLayout& L, float v, float divisor,
+                                           bool finite) {
+  if (!finite) return 0.0f;
   const float c = rintf(__fdiv_rn(v, divisor));
   return fminf(fmaxf(c, -L.qmax), L.qmax);
+}
+
+// max(r, a) that keeps a nan, like torch.amax (fmaxf drops it)
+__device__ __forceinline__ float nan_max(float r, float a) {
+  return (a > r || isnan(a)) ? a : r;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -64,11 +72,12 @@ __global__ void __launch_bounds__(kThreads)
     int64_t valid = numel - g0;
     valid = valid < 0 ? 0 : (valid > L.block ? L.block : valid);
     float amax = 0.0f;
-    for (int64_t j = lane; j < valid; j += 32) amax = fmaxf(amax, fabsf(value(x, e_in, g0 + j)));
+    for (int64_t j = lane; j < valid; j += 32) amax = nan_max(amax, fabsf(value(x, e_in, g0 + j)));
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = 16; o > 0; o /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float scale = __fmul_rn(amax, L.inv_qmax);
     const float divisor = scale == 0.0f ? 1.0f : scale;
+    const bool finite = isfinite(scale);
     if (lane == 0) reinterpret_cast<float*>(packed + p * L.piece_bytes)[b] = scale;
     uint8_t* codes = packed + codes_offset(L, p) + b * L.block * L.bits / 8;
     if (L.bits == 8) {
@@ -76,7 +85,7 @@ __global__ void __launch_bounds__(kThreads)
         float c = 0.0f;
         if (j < valid) {
           const float v = value(x, e_in, g0 + j);
-          c = quant_one(L, v, divisor);
+          c = quant_one(L, v, divisor, finite);
           if (e_out != nullptr) e_out[g0 + j] = __fsub_rn(v, __fmul_rn(c, scale));
         }
         codes[j] = static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(c)));
@@ -89,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
           float c = 0.0f;
           if (j + h < valid) {
             const float v = value(x, e_in, g0 + j + h);
-            c = quant_one(L, v, divisor);
+            c = quant_one(L, v, divisor, finite);
             if (e_out != nullptr) e_out[g0 + j + h] = __fsub_rn(v, __fmul_rn(c, scale));
           }
           nib[h] = static_cast<int>(c) + 8;

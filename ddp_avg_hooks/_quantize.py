@@ -11,7 +11,7 @@ or float64 when the inputs are float64; scales are float32 either way)::
 
     scale = float32(max|v| * (1 / Q))         # the constant 1 / Q rounded to float32
     d     = 1 if scale == 0 else scale        # an all-zero block: codes 0, never NaN
-    q     = clamp(round_half_even(v / d), -Q, Q)
+    q     = clamp(round_half_even(v / d), -Q, Q), or 0 where scale is nan or inf
     D     = q * scale                         # the dequantized value
     residual_out = v - D                      # what the rounding lost
 
@@ -19,6 +19,8 @@ int8 codes are ``q`` as ``int8``; int4 codes are ``q + 8`` (1..15) in 4 bits, el
 ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in the high one. Dequantization
 reads ``D = q * scale`` back; summing pieces adds them in piece order, the first term
 taken as it is. Values past the inputs' end (up to the payload's size) count as zeros.
+A block holding nan (or inf) has a nan (or inf) scale, so all of its values decode to
+nan: a non-finite value is never lost in a round, and ``check_finite`` sees it.
 
 These functions are the reference of the extension's fused kernels (``csrc/``), which
 give the same bits for float32 (same float32 operations, in the same order; both round
@@ -165,6 +167,9 @@ def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
     s = scale.to(ct).unsqueeze(-1)
     d = torch.where(s == 0, torch.ones_like(s), s)
     q = torch.round(vb / d).clamp_(-qmax, qmax)
+    # a block holding nan or inf: its scale is nan or inf and its codes 0, so every value
+    # of the block decodes to nan and a finite check sees it (a nan code has no integer)
+    q.masked_fill_(~torch.isfinite(s), 0)
     if residual_out is not None:
         residual_out.copy_((vb - q * s).view(-1)[:n])
     layout.scales(packed).copy_(scale)

@@ -694,6 +694,41 @@ def test_quantize_kernels_match_reference(qext, device, bits, numel, block, piec
         assert torch.isfinite(got[1]).all() and torch.isfinite(got[5]).all()  # never NaN
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_quantize_kernels_keep_nan_and_inf(qext, device, bits, bad):
+    """A block holding nan or inf decodes to nan in every value, in the kernels (vector and
+    scalar bodies) as in the reference, bit for bit; the other blocks are untouched."""
+    if device == "cuda" and not qext.m.with_cuda():
+        pytest.skip("extension built without CUDA")
+    layout = _qlayout(300, 32, 2, None, bits)  # 5 blocks of 32 per piece
+    x = _finite(300, seed=80).to(device)
+    x[3] = bad         # in an 8-value group of the vector body
+    x[159] = bad       # the last value of a block (and of piece 0)
+    e = (_finite(300, seed=81) * 1e-3).to(device)
+    e[200] = bad       # in the residual only
+    base = _finite(layout.elems, seed=82).to(device)
+    got = _q_run(qext, layout, x, e, base, "small")
+    want = _q_run(_QRef(), layout, x, e, base, "small")
+    names = ["packed", "e_out", "packed aliased", "e aliased",
+             "packed plain", "cat", "base - D", "sum"]
+    for name, a, b in zip(names, got, want):
+        if a.dtype == torch.uint8:
+            assert torch.equal(a.cpu(), b.cpu()), name
+        else:
+            assert_bits(a, b, name)
+    decoded = got[5].cpu()  # piece 0 holds values 0..159, piece 1 values 160..299
+    blocks = [(0, 32), (128, 160), (192, 224)]  # the blocks holding x[3], x[159], e[200]
+    for lo, hi in blocks:
+        assert decoded[lo:hi].isnan().all(), (lo, hi)
+        assert got[1][lo:hi].isnan().all(), (lo, hi)  # the residual keeps it too
+    bad_at = torch.zeros(300, dtype=torch.bool)
+    for lo, hi in blocks:
+        bad_at[lo:hi] = True
+    assert torch.isfinite(decoded[~bad_at]).all()
+
+
 def test_quantize_reference_semantics():
     """The reference against the formulas of its docstring, written out for one block."""
     layout = ops.QuantLayout(bits=4, block_size=4, pieces=2, piece_elems=4)

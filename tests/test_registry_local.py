@@ -397,6 +397,25 @@ def test_check_finite_rejects_nan_before_writing(world1):
     _assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("hook", ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook",
+                                  "int8_compress_hook", "int4_compress_hook"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=str)
+def test_check_finite_sees_a_nonfinite_parameter_through_every_builtin_hook(world1, hook, bad):
+    # a compressing hook must carry nan / inf into its result (the C++ extension's int8 /
+    # int4 kernels once dropped a nan from a block's scale and wrote the anchor back)
+    model = _mlp(40, 3)
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, getattr(dah.hooks, hook), None,
+                                         check_finite=True)
+    with torch.no_grad():
+        model[0].weight[1, 5] = bad
+    before = _snapshot(model)
+    with pytest.raises(dah.AveragingHookError, match="nan or inf"):
+        handle.average()
+    for p, b in zip(model.parameters(), before):  # unchanged, the bad value included
+        torch.testing.assert_close(p.detach(), b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_round_allocates_nothing_the_size_of_the_model(world1):
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
     ddp = DDP(model)
