@@ -63,6 +63,7 @@ from torch.autograd.profiler import record_function
 from ._groups import or_world
 from .bucket import BucketRound, ParamBucket
 from .collectives import Background, exact_average
+from . import ops
 from .errors import AveragingHookError
 from .observers import Reporter, RoundObserver
 from .policies import RoundPolicy, check_buckets_agree
@@ -389,9 +390,10 @@ class RoundEngine:
                 f"its future holds {type(value).__name__}; expected a floating-point tensor "
                 f"of {bucket.numel()} elements",
             )
-        if not value.is_floating_point():
-            raise self.error(bucket, where, f"its future holds a {value.dtype} tensor; "
-                             "expected a floating-point one")
+        if not value.is_floating_point() or value.dtype not in ops.SUPPORTED_DTYPES:
+            raise self.error(
+                bucket, where, f"its future holds a {value.dtype} tensor; expected one of "
+                f"{', '.join(str(d) for d in ops.SUPPORTED_DTYPES)}")
         if value.numel() != bucket.numel():
             raise self.error(
                 bucket, where,
@@ -401,6 +403,11 @@ class RoundEngine:
         if value.is_meta:
             raise self.error(bucket, where, "its future holds a tensor on the meta device, "
                              "which has no values; return the bucket's new values")
+        device = bucket.parameters()[0].device
+        if value.device != device:
+            raise self.error(bucket, where, f"its future holds a tensor on {value.device}, "
+                             f"the parameters are on {device}; return it there "
+                             f"(.to({str(device)!r}))")
         if value.dim() != 1 or not value.is_contiguous():
             value = value.reshape(-1).contiguous()  # a strided or shaped view: its values, flat
         if self.check_finite and not bool(torch.isfinite(value).all()):

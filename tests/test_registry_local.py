@@ -367,7 +367,7 @@ def _second_bucket_fails(state, bucket):
     [
         (_returns_list, "returned list; expected a torch.futures.Future"),
         (_wrong_numel, r"holds \d+ elements; expected \d+"),
-        (_int_tensor, "torch.int64 tensor; expected a floating-point"),
+        (_int_tensor, "torch.int64 tensor; expected one of torch.float32"),
         (_raises, "raised ZeroDivisionError: boom in hook"),
         (_future_raises, "its future raised"),
         (_second_bucket_fails, "bucket 1 of 2.*only bucket 1 fails"),

@@ -77,6 +77,11 @@ def test_strided_and_shaped_results_are_written_as_their_values():
     (lambda b: completed("three"), "holds str; expected a floating-point tensor of 3"),
     (lambda b: [1.0, 2.0, 3.0], "returned list; expected a torch.futures.Future"),
     (lambda b: completed(torch.zeros(3, device="meta")), "on the meta device"),
+    (lambda b: completed(torch.zeros(3, dtype=torch.float8_e4m3fn)),
+     "holds a torch.float8_e4m3fn tensor; expected one of torch.float32"),
+    pytest.param(lambda b: completed(torch.zeros(3, device="cuda")),
+                 "on cuda:0, the parameters are on cpu", id="another-device",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
     (lambda b: (_ for _ in ()).throw(ValueError("no")), "raised ValueError: no"),
 ])
 def test_a_broken_result_fails_the_round_and_writes_nothing(result, message):
