@@ -87,18 +87,34 @@ def averaging_hook(
     """Attach a :class:`HookSpec` to a hook function (as ``fn.averaging_spec``); returns ``fn``.
 
     Usable bare (``@averaging_hook``, which declares nothing) or with arguments.
+    Declarations add up: what ``fn`` already declares (by :func:`needs_anchor`, an
+    earlier ``averaging_hook``, or ``functools.wraps`` of a declared hook) is kept,
+    except the functions this call names, which replace the earlier ones.
 
     Example:
+        >>> import functools
         >>> import ddp_avg_hooks as dah
         >>> @dah.averaging_hook(settings=lambda state: {"scale": state["scale"]})
         ... def scaled_hook(state, bucket): ...
         >>> dah.hook_spec(scaled_hook).settings_of({"scale": 0.5})
         {'scale': 0.5}
+        >>> @dah.averaging_hook(settings=lambda state: {"tag": "mine"})
+        ... @functools.wraps(dah.hooks.int8_compress_hook)
+        ... def my_int8(state, bucket):
+        ...     return dah.hooks.int8_compress_hook(state, bucket)
+        >>> spec = dah.hook_spec(my_int8)
+        >>> spec.needs_anchor, spec.validate_state is not None, spec.settings_of(None)
+        (True, True, {'tag': 'mine'})
     """
-    spec = HookSpec(needs_anchor=bool(needs_anchor), validate_state=validate_state,
-                    prepare_bucket=prepare_bucket, linear=bool(linear), settings=settings)
 
     def attach(hook: Callable) -> Callable:
+        old = hook_spec(hook)
+        spec = HookSpec(
+            needs_anchor=bool(needs_anchor) or old.needs_anchor,
+            validate_state=old.validate_state if validate_state is None else validate_state,
+            prepare_bucket=old.prepare_bucket if prepare_bucket is None else prepare_bucket,
+            linear=bool(linear) or old.linear,
+            settings=old.settings if settings is None else settings)
         setattr(hook, SPEC_ATTRIBUTE, spec)
         return hook
 

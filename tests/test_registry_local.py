@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -444,3 +446,30 @@ def test_user_hook_in_the_readme_style(world1):
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p.detach(), b * 0.5)
     assert handle.stats.bytes_sent == sum(b.numel() * 4 for b in before)
+
+
+def test_hook_declarations_add_up_in_any_order(world1):
+    # a delta hook declared by @needs_anchor under @averaging_hook(settings=...), and a
+    # functools.wraps wrapper of a built-in that adds settings: both keep their anchors
+    @dah.averaging_hook(settings=lambda state: {"halve": True})
+    @dah.needs_anchor
+    def half_step_hook(state, bucket):
+        return _done(bucket.anchor() - 0.5 * bucket.delta(torch.float32))  # anchor - params
+
+    @dah.averaging_hook(settings=lambda state: {"tag": "mine"})
+    @functools.wraps(dah.hooks.int8_compress_hook)
+    def my_int8(state, bucket):
+        return dah.hooks.int8_compress_hook(state, bucket)
+
+    for hook in (half_step_hook, my_int8):
+        model = _mlp(3, 2)
+        ddp = DDP(model)
+        handle = dah.register_averaging_hook(ddp, hook, None)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        handle.average()  # one rank: the anchor plus half / all of the change
+        for p, b in zip(model.parameters(), _snapshot(_mlp(3, 2))):
+            want = b + (0.5 if hook is half_step_hook else 1.0)
+            torch.testing.assert_close(p.detach(), want, rtol=0, atol=0.02)
+        assert dah.hook_spec(hook).settings is not None
