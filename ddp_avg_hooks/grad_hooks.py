@@ -24,7 +24,10 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
     the first backward after the warm-up on it has DDP skip its gradient reducer
     altogether, as inside ``ddp.no_sync()``, where the reducer has nothing else to do
     (see :class:`ReducerSwitch`): each backward is then the bare module's, with the same
-    gradients.
+    gradients. DDP keeps a comm hook for the model's lifetime: once the handle is
+    removed, the hook follows the handle registered on the model after it
+    (``handle.successor``), and while there is none averages gradients every step, as
+    plain DDP does.
 
     Args:
         state: the :class:`~ddp_avg_hooks.AveragingHandle` returned by
@@ -47,6 +50,11 @@ def local_sgd_grad_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[
         False
         >>> handle.remove(); dist.destroy_process_group()
     """
+    if getattr(state, "removed", False):
+        successor = state.successor
+        if successor is None:  # averaging stopped: plain DDP
+            return default_hooks.allreduce_hook(state.grad_process_group, bucket)
+        state = successor
     try:
         in_warmup = state.in_warmup
     except AttributeError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,9 @@ _KEYS = ("step_count", "next_round", "plan", "weight_totals", "config", "schedul
 # settings a checkpoint's config may lack, having been written before they existed, with
 # the value it was made with
 _ADDED_SETTINGS = {"fragment_layout": "contiguous", "overlap_steps": None}
+# the newest handle registered on each DDP model: DDP keeps one comm hook for a model's
+# lifetime, so a hook given a handle that was removed follows the one registered after it
+_NEWEST_ON_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def setting_name(key: str, theirs, mine) -> str:
@@ -168,6 +172,8 @@ class AveragingHandle(Joinable):
         #: turns DDP's gradient reducer off after the warm-up (``None`` for FSDP2)
         ddp = self._ddp()
         self.reducer_switch = ReducerSwitch(ddp) if ddp is not None else None
+        if ddp is not None:
+            _NEWEST_ON_MODEL[ddp] = weakref.ref(self)
         self._optimizer_hook = None
         self._in_flight: list[Round] = []  # overlapped rounds, in launch order
         self._step_count = self._rounds_started = 0
@@ -249,6 +255,18 @@ class AveragingHandle(Joinable):
     def removed(self) -> bool:
         """Whether :meth:`remove` has run: the handle averages nothing more."""
         return self._removed
+
+    @property
+    def successor(self) -> AveragingHandle | None:
+        """Once this handle is removed, the live handle registered on the same DDP model
+        after it (the newest), else ``None``. DDP takes one comm hook per model for good,
+        so :func:`~ddp_avg_hooks.grad_hooks.local_sgd_grad_hook` given this handle
+        follows its successor's warm-up, and averages gradients every step, as plain DDP
+        does, while there is none."""
+        ddp = self._ddp() if self._removed else None
+        ref = _NEWEST_ON_MODEL.get(ddp) if ddp is not None else None
+        newest = ref() if ref is not None else None
+        return newest if newest is not None and not newest.removed else None
 
     @property
     def rounds_started(self) -> int:
@@ -555,7 +573,9 @@ class AveragingHandle(Joinable):
     def remove(self) -> None:
         """Stop averaging: finish a round in flight, detach from the optimizer, turn DDP's
         gradient reducer back on (call it outside ``ddp.no_sync()``, which on leaving
-        restores the value it found), free the buckets. Idempotent."""
+        restores the value it found), free the buckets. Idempotent. A
+        ``local_sgd_grad_hook`` given this handle then averages gradients every step, or
+        follows a handle registered on the model later (:attr:`successor`)."""
         if self._removed:
             return
         if self._optimizer_hook is not None:

@@ -424,3 +424,45 @@ def test_replicas_apart_at_registration_meet_at_the_first_round_with_a_warning()
         assert "initialize alike" in rank["warned"][0]
         for p, a, b in zip(rank["params"], *replicas):
             torch.testing.assert_close(p, (a + b) / 2, rtol=0, atol=1e-6)
+
+
+def _rank_register_again(rank, world_size):
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    synced = []
+
+    def step(handle, s):
+        opt.zero_grad()
+        loss_of(ddp, rank, s).backward()
+        grad = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+        both = [torch.empty_like(grad) for _ in range(world_size)]
+        dist.all_gather(both, grad)
+        synced.append(torch.equal(both[0], both[1]))  # the ranks' batches differ
+        opt.step()
+        if handle is not None:
+            handle.step()
+
+    first = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                        warmup_steps=1)
+    ddp.register_comm_hook(first, dah.grad_hooks.local_sgd_grad_hook)  # once, for good
+    for s in range(3):
+        step(first, s)
+    first.remove()
+    step(None, 3)
+    second = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         warmup_steps=2)
+    assert first.successor is second and second.successor is None
+    for s in range(4, 8):
+        step(second, s)
+    rounds = second.stats.rounds
+    second.remove()
+    step(None, 8)
+    return synced, rounds
+
+
+def test_the_comm_hook_follows_a_handle_registered_again_after_remove():
+    # DDP takes one comm hook per model: after remove() it averages every step, as plain
+    # DDP does, and follows the warm-up of the next registration on the model
+    for synced, rounds in run_ranks(_rank_register_again, 2, timeout_s=60):
+        assert synced == [True, False, False, True, True, True, False, False, True]
+        assert rounds == 1  # at the third step of the second registration (warm-up 2)
