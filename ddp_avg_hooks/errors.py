@@ -14,7 +14,9 @@ __all__ = ["AveragingHookError", "CheckpointError", "SettingsMismatchError"]
 class AveragingHookError(RuntimeError):
     """An averaging hook failed or returned something other than the contract says.
 
-    The message names the hook, the bucket, the round and what was expected.
+    The message names the hook, the bucket, the round and what was expected. Nothing of
+    the failed round is written; the step that ran it still counts
+    (``AveragingHandle.step_count``), so the following rounds keep their steps.
     """
 
 

@@ -212,7 +212,8 @@ class AveragingHandle(Joinable):
 
     @property
     def step_count(self) -> int:
-        """Number of ``step()`` calls so far."""
+        """Number of ``step()`` calls so far (one whose round raised included: the
+        schedule goes on, and the next round is at its usual step)."""
         return self._step_count
 
     @property
@@ -299,6 +300,14 @@ class AveragingHandle(Joinable):
         self._check_alive("step")
         if not joined and self._join_config.enable:
             self._notify_join()
+        try:
+            return self._step_rounds()
+        finally:  # a step whose round failed is counted too: the schedule goes on
+            self._step_count += 1
+
+    def _step_rounds(self) -> bool:
+        """The rounds of the step ``step_count`` (before it is counted): apply those that
+        land, launch the one due; whether one was launched."""
         if self._plan.timed:  # applying a round starts the clock of the next one
             overdue = self._plan.in_round_for() >= self._schedule.seconds
             for rnd in list(self._in_flight):
@@ -318,7 +327,6 @@ class AveragingHandle(Joinable):
                 self._finish(rnd)
         elif self._step_count == self._options.warmup_steps - 1:
             self._anchor_after_warmup()
-        self._step_count += 1
         return averaging
 
     def _anchor_after_warmup(self) -> None:

@@ -386,7 +386,7 @@ def test_bad_hook_results_raise_and_write_nothing(world1, hook, expected):
         handle.step()
     assert hook.__name__ in str(info.value)
     _assert_unchanged(model, before)
-    assert handle.step_count == 0  # a failed round does not advance the schedule
+    assert handle.step_count == 1  # the step counts: the next rounds keep their steps
 
 
 def test_check_finite_rejects_nan_before_writing(world1):
@@ -473,3 +473,25 @@ def test_hook_declarations_add_up_in_any_order(world1):
             want = b + (0.5 if hook is half_step_hook else 1.0)
             torch.testing.assert_close(p.detach(), want, rtol=0, atol=0.02)
         assert dah.hook_spec(hook).settings is not None
+
+
+def test_a_failed_round_keeps_the_following_rounds_on_their_steps(world1):
+    calls = []
+
+    def fails_once(state, bucket):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("a passing failure")
+        return _done(bucket.buffer())
+
+    handle = dah.register_averaging_hook(DDP(_mlp(3, 2)), fails_once, None, period=2,
+                                         warmup_steps=1)
+    averaged = []
+    for s in range(10):
+        try:
+            averaged.append(handle.step())
+        except dah.AveragingHookError:
+            averaged.append("failed")
+    # the schedule's rule: rounds at s >= 1 with (s - 1) % 2 == 0, the failed one included
+    assert averaged == [False, True, False, "failed", False, True, False, True, False, True]
+    assert handle.step_count == 10 and handle.stats.rounds == 4
