@@ -47,9 +47,11 @@ def test_sources_found():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 @pytest.mark.parametrize("source", ["kernels_cuda.cu", "quantize_cuda.cu"])
 def test_cuda_kernels_compile_alone(tmp_path, source):
-    """The CUDA sources need only the CUDA headers: plain `nvcc -c` compiles them."""
+    """The CUDA sources need only the CUDA headers: plain `nvcc -c` compiles them
+    (without optimization: the check is that they compile, and it takes half the time)."""
     r = subprocess.run(
-        ["nvcc", "-std=c++17", "-c", str(REPO / "csrc" / source), "-o", str(tmp_path / "k.o")],
+        ["nvcc", "-std=c++17", "-Xcicc", "-O0", "-Xptxas", "-O0", "-c",
+         str(REPO / "csrc" / source), "-o", str(tmp_path / "k.o")],
         capture_output=True, text=True, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
