@@ -446,10 +446,20 @@ class AveragingHandle(Joinable):
             "fragments": len(self._engine.fragments),
             "keep_anchor": opts.wants_anchor(spec.needs_anchor),
             "group": dist.get_process_group_ranks(group) if is_member(group) else None,
-            "hook_settings": spec.settings_of(self.state),
+            "hook_settings": self._hook_settings(spec),
             **({"shards": self._model.shards()} if self.sharded else {}),
             "layout": [b.layout() for b in self._engine.buckets],
         }
+
+    def _hook_settings(self, spec) -> dict:
+        try:
+            return spec.settings_of(self.state)
+        except Exception as exc:
+            raise TypeError(
+                f"averaging hook {self._engine.name!r}: its settings(state) declaration "
+                f"raised {type(exc).__name__}: {exc} on the state it was registered with (a "
+                f"{type(self.state).__name__}); register the hook with the state its "
+                "settings function reads") from exc
 
     def state_dict(self) -> dict:
         """This rank's averaging state: counter, anchors, hook state, stats, config.

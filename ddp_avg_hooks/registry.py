@@ -96,9 +96,11 @@ def _agree_across_ranks(handle: AveragingHandle, group) -> None:
     """Every rank of ``group`` checks that all registered the same settings; a difference
     raises :class:`~ddp_avg_hooks.errors.SettingsMismatchError` on every rank, naming the
     setting, the values and the ranks."""
-    if not is_member(group) or dist.get_world_size(group) == 1:
+    if not is_member(group):
         return
-    mine = handle.config()
+    mine = handle.config()  # a single rank too: a hook's settings(state) runs here
+    if dist.get_world_size(group) == 1:
+        return
     gathered: list = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(gathered, mine, group=group)
@@ -220,17 +222,22 @@ def register_averaging_hook(
                          policies=make_policies(opts, model, in_bucket_order),
                          observers=make_observers(opts))
     handle = AveragingHandle(engine, opts, model=model)
-    _agree_across_ranks(handle, group)
-    if opts.warmup_steps == 0 and align_anchors(buckets, group):
-        warnings.warn(
-            "register_averaging_hook: the replicas' parameters differ at registration, so "
-            "the changes start from their average and the first round brings them together. "
-            "Start every replica from the same model: DistributedDataParallel broadcasts "
-            "rank 0's at construction; FSDP2 replica groups must initialize alike (the same "
-            "seed before building the model, or load the same weights)", stacklevel=2)
-    for bucket in buckets:
-        spec.prepare(state, bucket)
-    _hold_state(state, spec, handle)
-    if optimizer is not None:
-        handle.attach_optimizer(optimizer)
+    try:
+        _agree_across_ranks(handle, group)
+        if opts.warmup_steps == 0 and align_anchors(buckets, group):
+            warnings.warn(
+                "register_averaging_hook: the replicas' parameters differ at registration, "
+                "so the changes start from their average and the first round brings them "
+                "together. Start every replica from the same model: DistributedDataParallel "
+                "broadcasts rank 0's at construction; FSDP2 replica groups must initialize "
+                "alike (the same seed before building the model, or load the same weights)",
+                stacklevel=2)
+        for bucket in buckets:
+            spec.prepare(state, bucket)
+        _hold_state(state, spec, handle)
+        if optimizer is not None:
+            handle.attach_optimizer(optimizer)
+    except BaseException:
+        handle.remove()  # a registration that failed leaves nothing live behind
+        raise
     return handle

@@ -495,3 +495,31 @@ def test_a_failed_round_keeps_the_following_rounds_on_their_steps(world1):
     # the schedule's rule: rounds at s >= 1 with (s - 1) % 2 == 0, the failed one included
     assert averaged == [False, True, False, "failed", False, True, False, True, False, True]
     assert handle.step_count == 10 and handle.stats.rounds == 4
+
+
+def test_a_settings_declaration_that_fails_names_the_hook_at_registration(world1):
+    @dah.averaging_hook(settings=lambda state: {"block": state.block_size})
+    def blocky_hook(state, bucket):
+        return _done(bucket.buffer())
+
+    with pytest.raises(TypeError, match="'.*blocky_hook'.*settings.*AttributeError.*NoneType"):
+        dah.register_averaging_hook(DDP(_mlp(3, 2)), blocky_hook, None)
+
+
+def test_a_failed_registration_leaves_nothing_live(world1):
+    ddp = DDP(_mlp(3, 2))
+    first = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    first.remove()
+
+    def no_memory(state, bucket):
+        raise MemoryError("no room for the hook's memory")
+
+    @dah.averaging_hook(prepare_bucket=no_memory)
+    def needs_memory_hook(state, bucket):
+        return _done(bucket.buffer())
+
+    with pytest.raises(MemoryError) as failed:  # its traceback holds the failed handle
+        dah.register_averaging_hook(ddp, needs_memory_hook, None)
+    assert first.successor is None and failed.value  # the comm hook ignores the failed one
+    second = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    assert first.successor is second
