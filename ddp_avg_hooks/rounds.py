@@ -60,10 +60,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from . import ops
 from ._groups import or_world
 from .bucket import BucketRound, ParamBucket
 from .collectives import Background, exact_average
-from . import ops
 from .errors import AveragingHookError
 from .observers import Reporter, RoundObserver
 from .policies import RoundPolicy, check_buckets_agree
@@ -403,7 +403,7 @@ class RoundEngine:
         if value.is_meta:
             raise self.error(bucket, where, "its future holds a tensor on the meta device, "
                              "which has no values; return the bucket's new values")
-        device = bucket.parameters()[0].device
+        device = bucket.device
         if value.device != device:
             raise self.error(bucket, where, f"its future holds a tensor on {value.device}, "
                              f"the parameters are on {device}; return it there "
