@@ -653,6 +653,18 @@ def _q_run(q, layout, x, e, base, case):
     return [packed, e_out, packed2, alias, plain, cat, minus, summed]
 
 
+def _assert_same_outputs(got, want):
+    """:func:`_q_run`'s outputs of a kernel against the reference's: bytes equal, floats
+    bit for bit (nan where nan)."""
+    names = ["packed", "e_out", "packed aliased", "e aliased",
+             "packed plain", "cat", "base - D", "sum"]
+    for name, a, b in zip(names, got, want):
+        if a.dtype == torch.uint8:
+            assert torch.equal(a.cpu(), b.cpu()), name
+        else:
+            assert_bits(a, b, name)
+
+
 @pytest.fixture(params=["ext", "ext_scalar"])
 def qext(request):
     m = _ext_module()
@@ -683,13 +695,7 @@ def test_quantize_kernels_match_reference(qext, device, bits, numel, block, piec
     base = _finite(layout.elems, seed=70).to(device)
     got = _q_run(qext, layout, x, e, base, case)
     want = _q_run(_QRef(), layout, x, e, base, case)
-    names = ["packed", "e_out", "packed aliased", "e aliased",
-             "packed plain", "cat", "base - D", "sum"]
-    for name, a, b in zip(names, got, want):
-        if a.dtype == torch.uint8:
-            assert torch.equal(a.cpu(), b.cpu()), name
-        else:
-            assert_bits(a, b, name)
+    _assert_same_outputs(got, want)
     if numel:
         assert torch.isfinite(got[1]).all() and torch.isfinite(got[5]).all()  # never NaN
 
@@ -711,13 +717,7 @@ def test_quantize_kernels_keep_nan_and_inf(qext, device, bits, bad):
     base = _finite(layout.elems, seed=82).to(device)
     got = _q_run(qext, layout, x, e, base, "small")
     want = _q_run(_QRef(), layout, x, e, base, "small")
-    names = ["packed", "e_out", "packed aliased", "e aliased",
-             "packed plain", "cat", "base - D", "sum"]
-    for name, a, b in zip(names, got, want):
-        if a.dtype == torch.uint8:
-            assert torch.equal(a.cpu(), b.cpu()), name
-        else:
-            assert_bits(a, b, name)
+    _assert_same_outputs(got, want)
     decoded = got[5].cpu()  # piece 0 holds values 0..159, piece 1 values 160..299
     blocks = [(0, 32), (128, 160), (192, 224)]  # the blocks holding x[3], x[159], e[200]
     for lo, hi in blocks:
