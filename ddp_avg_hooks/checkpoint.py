@@ -107,15 +107,22 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _atomic_save(obj, path: Path) -> str:
-    """Write ``obj`` to ``path`` atomically; the SHA-256 of what is on disk."""
+def _write_aside(obj, path: Path) -> tuple[Path, str]:
+    """Write ``obj`` next to ``path`` (``path`` itself untouched), synced; the file
+    written and its SHA-256, for ``os.replace(file, path)``."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    return tmp, _sha256(tmp)
+
+
+def _atomic_save(obj, path: Path) -> str:
+    """Write ``obj`` to ``path`` atomically; the SHA-256 of what is on disk."""
+    tmp, digest = _write_aside(obj, path)
     os.replace(tmp, path)
-    return _sha256(path)
+    return digest
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
@@ -230,6 +237,14 @@ class RoundCheckpointer(Joinable):
     def __init__(self, directory, handle, model: torch.nn.Module, optimizer, scheduler=None, *,
                  every_rounds: int = 1, keep: int = 2, process_group=None) -> None:
         _check_parts(handle, model, optimizer)
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(f"RoundCheckpointer: directory must be a path (str or "
+                            f"os.PathLike), got {type(directory).__name__}")
+        if scheduler is not None and not all(
+                callable(getattr(scheduler, m, None)) for m in ("state_dict", "load_state_dict")):
+            raise TypeError(
+                f"RoundCheckpointer: scheduler must be an LR scheduler (with state_dict and "
+                f"load_state_dict) or None, got {type(scheduler).__name__}")
         super().__init__()  # Joinable: not inside a Join until one is made
         self.directory = Path(directory)
         self.handle, self.model = handle, model
@@ -318,16 +333,14 @@ class RoundCheckpointer(Joinable):
         self.handle.synchronize()
         rounds = self.handle.stats.rounds
         folder = self.directory / f"{_PREFIX}{rounds:08d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        session = self._agreed_session()
-        # a marker left by an earlier attempt at this round must not vouch for the new files
-        (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
+        # everything this rank saves, before any file changes: a save that fails (a
+        # removed handle, say) leaves every round on disk as it was
         own_model = self._own_model()
-        files = {}
+        contents = {}
         if own_model or self.rank == 0:
             name = f"model_rank{self.rank}.pt" if own_model else "model.pt"
-            files[name] = _atomic_save(_plain(self.model.state_dict()), folder / name)
-        state = {
+            contents[name] = _plain(self.model.state_dict())
+        contents[f"rank{self.rank}.pt"] = {
             "format": _FORMAT,
             "optimizer": _plain(self._local_optimizer().state_dict()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
@@ -335,8 +348,16 @@ class RoundCheckpointer(Joinable):
             "rng": _rng_state(),
             "own_model": own_model,
         }
-        files[f"rank{self.rank}.pt"] = _atomic_save(state, folder / f"rank{self.rank}.pt")
-        self._files = files
+        folder.mkdir(parents=True, exist_ok=True)
+        session = self._agreed_session()
+        written = {name: _write_aside(obj, folder / name) for name, obj in contents.items()}
+        # Saving a round again replaces its files: the marker of the earlier save must
+        # not vouch for them, so it goes first, and the written files replace the old
+        # ones only then (renames; a kill between loses this round's marker only).
+        (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
+        for name, (tmp, _) in written.items():
+            os.replace(tmp, folder / name)
+        self._files = {name: digest for name, (_, digest) in written.items()}
         self._mark_completed(folder, session)
         self._prune()
         return folder

@@ -212,3 +212,34 @@ def test_what_the_library_writes_loads_with_weights_only(tmp_path):
     marker = json.loads((tmp_path / "round-00000003" / "rank1.done").read_text())
     assert marker["world_size"] == 2 and set(marker["files"]) == {"rank1.pt"}
     assert os.path.exists(tmp_path / "round-00000003" / "model.pt")
+
+
+def test_a_save_that_fails_changes_no_round_on_disk(tmp_path, world1):
+    # the end of a training loop in the wrong order: remove() before the last save()
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         optimizer=opt)
+    ckpt = RoundCheckpointer(tmp_path, handle, model, opt, keep=2)
+    for step in range(6):
+        train_step(ddp, opt, 0, step)
+        ckpt.maybe_save()
+    assert ckpt.completed_rounds() == [2, 3]
+    before = _digests(tmp_path)
+    handle.remove()
+    with pytest.raises(RuntimeError, match="after remove"):
+        ckpt.save()
+    assert ckpt.completed_rounds() == [2, 3] and _digests(tmp_path) == before
+
+
+def test_a_scheduler_that_is_not_one_is_refused_at_construction(tmp_path, world1):
+    ddp = DDP(make_model())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, optimizer=opt)
+    with pytest.raises(TypeError, match="scheduler must be an LR scheduler.*got str"):
+        RoundCheckpointer(tmp_path, handle, ddp.module, opt, "cosine")
+    with pytest.raises(TypeError, match="directory must be a path.*got NoneType"):
+        RoundCheckpointer(None, handle, ddp.module, opt)
+    assert not any(tmp_path.iterdir())
+    handle.remove()
