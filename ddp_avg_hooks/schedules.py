@@ -181,21 +181,30 @@ class AdaCommPeriod(PeriodSchedule):
         self._group = process_group
 
     def observe(self, loss) -> None:
-        """Record one step's loss on this rank (a float or a 0-dim tensor)."""
-        self._sum += float(loss)
-        self._count += 1
+        """Record one step's loss on this rank (a float or a 0-dim tensor). A nan or inf
+        loss (a step that overflowed, which a ``GradScaler`` skips) is left out: the
+        period follows the finite ones."""
+        try:
+            value = float(loss)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(
+                "AdaCommPeriod.observe: loss must be a float or a one-element tensor (the "
+                f"step's loss, e.g. loss.detach()), got {type(loss).__name__}") from exc
+        if math.isfinite(value):
+            self._sum += value
+            self._count += 1
 
     def next_period(self, step: int) -> int:
         totals = torch.tensor([self._sum, float(self._count)], dtype=torch.float64)
         if self._group is not None and dist.get_world_size(self._group) > 1:
             dist.all_reduce(totals, group=self._group)
         self._sum, self._count = 0.0, 0
-        if totals[1] > 0:
-            loss = float(totals[0] / totals[1])
+        loss = float(totals[0] / totals[1]) if totals[1] > 0 else math.nan
+        if math.isfinite(loss):  # finite losses can still add up past the float range
             if self._first_loss is None:
                 self._first_loss = loss
             elif self._first_loss > 0 and loss >= 0:
-                ratio = math.sqrt(loss / self._first_loss)
+                ratio = min(math.sqrt(loss / self._first_loss), 1.0)  # above 1: initial
                 period = math.ceil(self.initial * ratio)
                 self._current = max(self.min_period, min(self.initial, period))
         return self._current
@@ -212,6 +221,13 @@ class AdaCommPeriod(PeriodSchedule):
                 "current": self._current}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        keys = ("sum", "count", "first_loss", "current")
+        if not isinstance(state_dict, dict) or any(k not in state_dict for k in keys):
+            raise ValueError(
+                "AdaCommPeriod.load_state_dict: expected what AdaCommPeriod.state_dict() "
+                f"returns, a dict with {', '.join(keys)}; got "
+                + (f"keys {sorted(state_dict)}" if isinstance(state_dict, dict)
+                   else type(state_dict).__name__))
         self._sum, self._count = float(state_dict["sum"]), int(state_dict["count"])
         self._first_loss = state_dict["first_loss"]
         self._current = int(state_dict["current"])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
+import ddp_avg_hooks as dah
 from ddp_avg_hooks.schedules import (AdaCommPeriod, ConstantPeriod, EverySeconds,
                                      PostLocalPeriod, StepwisePeriod, as_schedule)
 
@@ -51,6 +53,41 @@ def test_adacomm_shrinks_the_period_as_the_loss_falls(world1):
     again = AdaCommPeriod(initial=16, min_period=2)
     again.load_state_dict(s.state_dict())
     assert again.current == 2 and again.state_dict() == s.state_dict()
+
+
+def test_adacomm_leaves_out_nonfinite_losses(world1):
+    import torch.distributed as dist
+
+    s = AdaCommPeriod(initial=16, min_period=2)
+    s.bind(dist.group.WORLD)
+    for loss in (float("nan"), 4.0, float("inf")):  # an overflowing first step, say
+        s.observe(loss)
+    assert s.next_period(0) == 16 and s.state_dict()["first_loss"] == 4.0
+    s.observe(float("inf"))  # a round of overflows only: the period stays
+    assert s.next_period(16) == 16
+    s.observe(torch.tensor(1.0))
+    assert s.next_period(32) == 8  # ceil(16 * sqrt(1 / 4)), the inf and nan left out
+    with pytest.raises(TypeError, match="loss must be a float or a one-element tensor"):
+        s.observe([1.0])
+    with pytest.raises(ValueError, match="expected what AdaCommPeriod.state_dict"):
+        s.load_state_dict({})
+
+
+def test_adacomm_schedules_every_round_after_an_inf_loss(world1):
+    model = torch.nn.Linear(3, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    schedule = AdaCommPeriod(initial=4)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=schedule,
+                                         optimizer=opt)
+    for step in range(40):
+        opt.zero_grad()
+        loss = ddp(torch.ones(2, 3)).pow(2).mean()
+        loss.backward()
+        schedule.observe(float("inf") if step == 2 else loss.detach())
+        opt.step()
+    assert handle.stats.rounds >= 10  # one every 4 steps or sooner
+    handle.remove()
 
 
 def test_every_seconds_reads_its_clock():
