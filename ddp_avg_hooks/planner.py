@@ -169,7 +169,14 @@ class RoundPlanner:
         self.rounds += 1
         self.last_rounds[fragment] = step
         if not self.timed:
-            self.next_rounds[fragment] = step + self.schedule.next_period(step)
+            try:
+                distance = self.schedule.next_period(step)
+            except BaseException:
+                # a schedule that raised: the next round comes after the period in
+                # force, so the plan never points at a step already past
+                self.next_rounds[fragment] = step + max(1, int(self.schedule.current or 1))
+                raise
+            self.next_rounds[fragment] = step + distance
         else:
             self._launched = self._clock()
 

@@ -3,6 +3,8 @@ injected clock for time-based rounds; no process group."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -43,6 +45,26 @@ def test_a_schedule_object_decides_the_next_distance():
             plan.started(step, 0)
             rounds.append(step)
     assert rounds == [1, 3, 5, 7, 12, 17]
+
+
+def test_a_schedule_that_raises_leaves_the_plan_going():
+    class Flaky(ConstantPeriod):
+        calls = 0
+
+        def next_period(self, step):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise ArithmeticError("a bad loss")
+            return super().next_period(step)
+
+    plan = RoundPlanner(Flaky(3), warmup_steps=0)
+    rounds = []
+    for step in range(12):
+        if plan.due(step) is not None:
+            rounds.append(step)
+            with pytest.raises(ArithmeticError) if Flaky.calls == 1 else nullcontext():
+                plan.started(step, 0)
+    assert rounds == [0, 3, 6, 9]  # the round after the failure at its period in force
 
 
 def test_time_based_rounds_on_an_injected_clock():
