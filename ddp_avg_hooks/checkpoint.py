@@ -134,6 +134,10 @@ def _atomic_write_text(text: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def _rng_state() -> dict:
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -343,6 +347,7 @@ class RoundCheckpointer(Joinable):
         contents[f"rank{self.rank}.pt"] = {
             "format": _FORMAT,
             "optimizer": _plain(self._local_optimizer().state_dict()),
+            "optimizer_class": _class_name(self._local_optimizer()),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "averaging": self.handle.state_dict(),
             "rng": _rng_state(),
@@ -584,6 +589,10 @@ class RoundCheckpointer(Joinable):
         saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
         if not isinstance(saved_groups, list) or not isinstance(saved.get("state"), dict):
             return f"{path} holds no optimizer state_dict"
+        saved_class, mine = state.get("optimizer_class"), _class_name(self._local_optimizer())
+        if saved_class is not None and saved_class != mine:  # absent from older checkpoints
+            return (f"{path} was saved with a {saved_class} and this run's optimizer is a "
+                    f"{mine}: build the optimizer as the run that saved it did")
         if len(saved_groups) != len(groups):
             return (f"{path}: its optimizer has {len(saved_groups)} parameter group(s), this "
                     f"run's {len(groups)}: build the optimizer as the run that saved it did")

@@ -24,12 +24,13 @@ STEPS, PERIOD, WARMUP = 14, 3, 2  # rounds after steps 2, 5, 8, 11
 
 
 def _rank(rank, world_size, ckpt_dir, stop_at=None, resume=False, dims=(5, 8, 3),
-          groups=1, scheduler=False):
+          groups=1, scheduler=False, adam=False):
     model = make_model(dims=dims)
     ddp = DDP(model)
     params = list(ddp.parameters())
-    opt = torch.optim.SGD([{"params": params[k::groups]} for k in range(groups)], lr=0.05,
-                          momentum=0.9)
+    grouped = [{"params": params[k::groups]} for k in range(groups)]
+    opt = (torch.optim.Adam(grouped, lr=0.05) if adam
+           else torch.optim.SGD(grouped, lr=0.05, momentum=0.9))
     handle = dah.register_averaging_hook(ddp, dah.hooks.fp16_compress_hook, None, period=PERIOD,
                                          warmup_steps=WARMUP, optimizer=opt)
     ddp.register_comm_hook(handle, dah.grad_hooks.local_sgd_grad_hook)
@@ -184,6 +185,8 @@ def test_every_round_damaged_is_an_error_not_a_fresh_start(tmp_path, damaged):
 @pytest.mark.parametrize("change, expected", [
     ({"groups": 2}, "its optimizer has 1 parameter group(s), this run's 2"),
     ({"scheduler": True}, "was saved without an LR scheduler and this run passes one"),
+    ({"adam": True}, "was saved with a torch.optim.sgd.SGD and this run's optimizer is a "
+                     "torch.optim.adam.Adam"),
 ])
 def test_another_optimizer_or_scheduler_is_refused_before_anything_loads(tmp_path, change,
                                                                           expected):
