@@ -136,6 +136,10 @@ class AveragedModel:
         """Raise ``ValueError`` unless ``optimizer`` steps at least one of the averaged
         parameters: rounds counted by another model's optimizer would follow its steps,
         and ``optimizer_state`` would find no state of these parameters."""
+        if not isinstance(getattr(optimizer, "param_groups", None), list):
+            raise TypeError(
+                f"{who}: expected an optimizer (a torch.optim.Optimizer), got "
+                f"{type(optimizer).__name__}; pass the optimizer that trains this model")
         if any(self.averages(p) for g in optimizer.param_groups for p in g["params"]):
             return
         raise ValueError(

@@ -523,3 +523,13 @@ def test_a_failed_registration_leaves_nothing_live(world1):
     assert first.successor is None and failed.value  # the comm hook ignores the failed one
     second = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
     assert first.successor is second
+
+
+def test_attaching_something_that_is_not_an_optimizer_is_refused(world1):
+    ddp = DDP(_mlp(3, 2))
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None)
+    for wrong in (ddp, None):
+        with pytest.raises(TypeError, match="expected an optimizer.*got "
+                           f"{type(wrong).__name__}"):
+            handle.attach_optimizer(wrong)
+    handle.remove()
