@@ -498,6 +498,10 @@ class AveragingHandle(Joinable):
                 f"got {type(state_dict).__name__}"
                 + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
             )
+        problem = self._entry_problem(state_dict)
+        if problem:
+            raise ValueError(f"load_state_dict: the state dict is damaged: {problem}; load "
+                             "what AveragingHandle.state_dict() wrote (nothing was changed)")
         for key, mine in self.config().items():
             theirs = state_dict["config"].get(key, _ADDED_SETTINGS.get(key))
             if theirs != mine:
@@ -514,6 +518,40 @@ class AveragingHandle(Joinable):
                 + ("has no hook state but this hook's state needs one"
                    if has_hook_state else "has a hook state but this hook's state takes none")
             )
+
+    def _entry_problem(self, state_dict: dict) -> str | None:
+        """What is wrong with the plain entries of a state dict (the kinds of values
+        :meth:`state_dict` writes), else ``None``."""
+        def ints(values, at_least=None) -> bool:
+            return isinstance(values, (list, tuple)) and all(
+                isinstance(v, int) and not isinstance(v, bool)
+                and (at_least is None or v >= at_least) for v in values)
+
+        plan, stats = state_dict["plan"], state_dict["stats"]
+        n = len(self._engine.buckets)
+        checks = [
+            ("config", isinstance(state_dict["config"], dict), "a dict"),
+            ("step_count", ints([state_dict["step_count"]], 0), "an int >= 0"),
+            ("next_round", ints([state_dict["next_round"]]), "an int"),
+            ("plan", isinstance(plan, dict) and ints(plan.get("next_rounds"))
+             and ints(plan.get("last_rounds")) and ints([plan.get("rounds")], 0),
+             "a dict of next_rounds, last_rounds (lists of ints) and rounds"),
+            ("stats", isinstance(stats, dict) and all(
+                f.name in stats for f in dataclasses.fields(self.stats)),
+             f"a dict of {', '.join(f.name for f in dataclasses.fields(self.stats))}"),
+            ("weight_totals", isinstance(state_dict["weight_totals"], (list, tuple)) and all(
+                t is None or isinstance(t, (int, float)) for t in state_dict["weight_totals"]),
+             "a list of numbers or None"),
+            ("schedule", isinstance(state_dict["schedule"], dict), "a dict"),
+            ("anchors", isinstance(state_dict["anchors"], (list, tuple))
+             and len(state_dict["anchors"]) == n, f"a list of {n} (one per bucket)"),
+            ("bucket_memory", isinstance(state_dict["bucket_memory"], (list, tuple))
+             and len(state_dict["bucket_memory"]) == n, f"a list of {n} (one per bucket)"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                return f"{key!r} must be {expected}, got {state_dict[key]!r:.80}"
+        return None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved (on this rank, into a fresh handle).

@@ -327,6 +327,29 @@ def test_state_dict_round_trip_and_mismatch(world1):
     assert other.step_count == 0
 
 
+@pytest.mark.parametrize("key, value, says", [
+    ("plan", "garbage", "'plan' must be a dict of next_rounds"),
+    ("config", "garbage", "'config' must be a dict"),
+    ("step_count", -5, "'step_count' must be an int >= 0"),
+    ("step_count", "garbage", "'step_count' must be an int >= 0"),
+    ("weight_totals", "x", "'weight_totals' must be a list of numbers"),
+    ("bucket_memory", None, "'bucket_memory' must be a list of 1"),
+    ("stats", {}, "'stats' must be a dict of rounds"),
+])
+def test_a_damaged_state_dict_is_refused_changing_nothing(world1, key, value, says):
+    ddp = DDP(_mlp(3, 2))
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2)
+    for _ in range(3):
+        handle.step()
+    saved = handle.state_dict()
+    fresh = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2)
+    with pytest.raises(ValueError, match=f"the state dict is damaged: {says}"):
+        fresh.load_state_dict({**saved, key: value})
+    assert fresh.step_count == 0 and fresh.stats.rounds == 0  # nothing was loaded
+    fresh.load_state_dict(saved)
+    assert fresh.step_count == 3
+
+
 # --- hook results are checked; failed rounds write nothing ---------------------------
 def _done(value):
     fut = torch.futures.Future()
