@@ -10,7 +10,28 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import grad_hooks
+from .._checks import check_bool
+from ..options import AveragingOptions
+from ..protocol import hook_spec
 from ..trees import map_tensors
+
+
+def check_arguments(owner: str, hook, state, flags: dict, **options) -> None:
+    """Refuse at construction what ``register_averaging_hook`` would refuse in these
+    arguments, naming ``owner``: an integration registers when training starts, and with
+    one process not at all, so a mistake would otherwise wait for the distributed run.
+    ``flags`` are the integration's own yes/no settings."""
+    if not callable(hook):
+        raise TypeError(f"{owner}: hook must be an averaging hook function (e.g. "
+                        f"ddp_avg_hooks.hooks.allreduce_hook), got {type(hook).__name__}")
+    for name, value in flags.items():
+        check_bool(name, value, owner=owner)
+    try:
+        AveragingOptions.from_call(**options)
+        hook_spec(hook).validate(state)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{owner}: {str(exc).removeprefix('register_averaging_hook: ')}"
+                        ) from exc
 
 
 def find_ddp(model) -> DistributedDataParallel | None:

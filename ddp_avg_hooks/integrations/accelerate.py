@@ -30,8 +30,10 @@ from accelerate import Accelerator, DistributedType
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (SHARDED_REFUSAL, GradSync, detach, find_ddp, load_rank_state,
-                      read_rank_state, refuse_together, world_size, write_rank_state)
+from .._checks import check_int
+from ._common import (SHARDED_REFUSAL, GradSync, check_arguments, detach, find_ddp,
+                      load_rank_state, read_rank_state, refuse_together, world_size,
+                      write_rank_state)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 #: the file of the second, third, ... model with LocalSGD blocks on one accelerator
@@ -75,6 +77,13 @@ class LocalSGD:
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, local_sgd_steps: int,
                  enabled: bool = True, *, hook: Callable = hooks.allreduce_hook, state=None,
                  warmup_steps: int = 0, optimizer=None, **options) -> None:
+        if not hasattr(accelerator, "distributed_type"):
+            raise TypeError(f"LocalSGD: accelerator must be an accelerate.Accelerator, got "
+                            f"{type(accelerator).__name__}; call LocalSGD(accelerator, model, "
+                            "local_sgd_steps)")
+        check_int("local_sgd_steps", local_sgd_steps, 1, owner="LocalSGD")
+        check_arguments("LocalSGD", hook, state, {"enabled": enabled},
+                        period=local_sgd_steps, warmup_steps=warmup_steps, **options)
         if accelerator.distributed_type == getattr(DistributedType, "FSDP", None):
             raise NotImplementedError(
                 "LocalSGD: Accelerate's FSDP plugin is not supported: "

@@ -25,8 +25,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (SHARDED_REFUSAL, GradSync, check_rank_state, detach, find_ddp,
-                      load_rank_state, rank_state)
+from ._common import (SHARDED_REFUSAL, GradSync, check_arguments, check_rank_state, detach,
+                      find_ddp, load_rank_state, rank_state)
 
 
 class AveragingCallback(Callback):
@@ -64,6 +64,10 @@ class AveragingCallback(Callback):
         if "optimizer" in options:
             raise TypeError("AveragingCallback: optimizer= is not an option here; the "
                             "trainer's optimizer is used")
+        check_arguments("AveragingCallback", hook, state,
+                        {"grad_sync_after_warmup": grad_sync_after_warmup,
+                         "average_at_end": average_at_end},
+                        period=period, warmup_steps=warmup_steps, **options)
         self.hook, self.state = hook, state
         self.period, self.warmup_steps = period, warmup_steps
         self.grad_sync_after_warmup, self.average_at_end = grad_sync_after_warmup, average_at_end

@@ -56,6 +56,7 @@ import torch
 
 from .. import ops
 from ..collectives import completed
+from ..handle import AveragingHandle
 from ..protocol import averaging_hook
 from ..step_hooks import StepHooks
 
@@ -134,6 +135,10 @@ class FaultTolerantAveraging:
     """
 
     def __init__(self, manager, handle, *, key: str = "ddp_avg_hooks") -> None:
+        if not isinstance(handle, AveragingHandle):
+            raise TypeError(
+                "FaultTolerantAveraging(manager, handle): handle must be the AveragingHandle "
+                f"register_averaging_hook returned, got {type(handle).__name__}")
         state = handle.state
         if not isinstance(state, TorchftState) or state.manager is not manager:
             raise ValueError("FaultTolerantAveraging: register the handle with "

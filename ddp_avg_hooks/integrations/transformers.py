@@ -27,8 +27,8 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from .. import hooks
 from ..registry import register_averaging_hook
-from ._common import (SHARDED_REFUSAL, GradSync, detach, find_ddp, load_rank_state,
-                      read_rank_state, refuse_together, write_rank_state)
+from ._common import (SHARDED_REFUSAL, GradSync, check_arguments, detach, find_ddp,
+                      load_rank_state, read_rank_state, refuse_together, write_rank_state)
 
 STATE_FILE = "ddp_avg_hooks_rank{rank}.pt"
 
@@ -47,6 +47,13 @@ class LocalSGDCallback(TrainerCallback):
     def __init__(self, trainer, hook: Callable = hooks.allreduce_hook, state=None, *, period,
                  warmup_steps: int = 0, grad_sync_after_warmup: bool = False,
                  average_at_end: bool = True, **options) -> None:
+        if not callable(getattr(trainer, "train", None)):
+            raise TypeError("LocalSGDCallback: trainer must be a transformers.Trainer, got "
+                            f"{type(trainer).__name__}")
+        check_arguments("LocalSGDCallback", hook, state,
+                        {"grad_sync_after_warmup": grad_sync_after_warmup,
+                         "average_at_end": average_at_end},
+                        period=period, warmup_steps=warmup_steps, **options)
         self.trainer = trainer
         self.hook, self.state, self.period, self.warmup_steps = hook, state, period, warmup_steps
         self.grad_sync_after_warmup, self.average_at_end = grad_sync_after_warmup, average_at_end
