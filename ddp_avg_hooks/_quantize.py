@@ -9,7 +9,7 @@ Each piece is stored on its own, so that a collective can send piece ``j`` to ra
 With ``Q = 127`` (int8) or ``Q = 7`` (int4), per block of values ``v`` (all in float32,
 or float64 when the inputs are float64; scales are float32 either way)::
 
-    scale = float32(max|v| * (1 / Q))         # the constant 1 / Q rounded to float32
+    scale = float32(max|v| * (1 / Q))         # 1 / Q rounded to float32 (float64 inputs: not)
     d     = 1 if scale == 0 else scale        # an all-zero block: codes 0, never NaN
     q     = clamp(round_half_even(v / d), -Q, Q), or 0 where scale is nan or inf
     D     = q * scale                         # the dequantized value

@@ -16,11 +16,15 @@ from ..protocol import hook_spec
 from ..trees import map_tensors
 
 
-def check_arguments(owner: str, hook, state, flags: dict, **options) -> None:
+def check_arguments(owner: str, hook, state, flags: dict, *, trainer_optimizer: bool,
+                    **options) -> None:
     """Refuse at construction what ``register_averaging_hook`` would refuse in these
     arguments, naming ``owner``: an integration registers when training starts, and with
     one process not at all, so a mistake would otherwise wait for the distributed run.
-    ``flags`` are the integration's own yes/no settings."""
+    ``flags`` are the integration's own yes/no settings; ``trainer_optimizer``: the
+    framework passes its optimizer then (checked here with a stand-in)."""
+    if trainer_optimizer:
+        options["optimizer"] = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     if not callable(hook):
         raise TypeError(f"{owner}: hook must be an averaging hook function (e.g. "
                         f"ddp_avg_hooks.hooks.allreduce_hook), got {type(hook).__name__}")

@@ -83,7 +83,8 @@ class LocalSGD:
                             "local_sgd_steps)")
         check_int("local_sgd_steps", local_sgd_steps, 1, owner="LocalSGD")
         check_arguments("LocalSGD", hook, state, {"enabled": enabled},
-                        period=local_sgd_steps, warmup_steps=warmup_steps, **options)
+                        trainer_optimizer=False, period=local_sgd_steps,
+                        warmup_steps=warmup_steps, **options)
         if accelerator.distributed_type == getattr(DistributedType, "FSDP", None):
             raise NotImplementedError(
                 "LocalSGD: Accelerate's FSDP plugin is not supported: "

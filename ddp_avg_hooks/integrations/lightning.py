@@ -67,7 +67,8 @@ class AveragingCallback(Callback):
         check_arguments("AveragingCallback", hook, state,
                         {"grad_sync_after_warmup": grad_sync_after_warmup,
                          "average_at_end": average_at_end},
-                        period=period, warmup_steps=warmup_steps, **options)
+                        trainer_optimizer=True, period=period, warmup_steps=warmup_steps,
+                        **options)
         self.hook, self.state = hook, state
         self.period, self.warmup_steps = period, warmup_steps
         self.grad_sync_after_warmup, self.average_at_end = grad_sync_after_warmup, average_at_end

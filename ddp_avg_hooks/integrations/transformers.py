@@ -53,7 +53,8 @@ class LocalSGDCallback(TrainerCallback):
         check_arguments("LocalSGDCallback", hook, state,
                         {"grad_sync_after_warmup": grad_sync_after_warmup,
                          "average_at_end": average_at_end},
-                        period=period, warmup_steps=warmup_steps, **options)
+                        trainer_optimizer=True, period=period, warmup_steps=warmup_steps,
+                        **options)
         self.trainer = trainer
         self.hook, self.state, self.period, self.warmup_steps = hook, state, period, warmup_steps
         self.grad_sync_after_warmup, self.average_at_end = grad_sync_after_warmup, average_at_end
