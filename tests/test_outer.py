@@ -155,7 +155,8 @@ def test_state_and_hook_validation(world1):
         dah.register_averaging_hook(ddp, hook, None)
     with pytest.raises(TypeError, match="allreduce_hook: state must be None"):
         dah.register_averaging_hook(ddp, hook, dah.hooks.OuterOptimizerState("bad"))
-    with pytest.raises(TypeError, match="PowerSGDState"):
+    with pytest.raises(TypeError, match="the inner state, OuterOptimizerState's first "
+                       "argument, is not one the inner hook takes: .*PowerSGDState"):
         dah.register_averaging_hook(ddp, dah.hooks.outer_optimizer(dah.hooks.powersgd_hook),
                                     dah.hooks.OuterOptimizerState())
     with pytest.raises(TypeError, match="factory must set them"):

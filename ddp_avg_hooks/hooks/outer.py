@@ -314,7 +314,11 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
 
     def validate_state(state) -> None:
         _check_state(state, name)
-        inner_spec.validate(state.inner_state)
+        try:
+            inner_spec.validate(state.inner_state)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{name}: the inner state, OuterOptimizerState's first argument, "
+                            f"is not one the inner hook takes: {exc}") from exc
 
     def prepare_bucket(state, bucket: ParamBucket) -> None:
         inner_spec.prepare(state.inner_state, bucket)
