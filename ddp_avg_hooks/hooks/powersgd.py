@@ -77,7 +77,9 @@ class PowerSGDState:
             what each rank keeps of your model's deltas).
         start_powersgd_round: averaging rounds before this one are exact (an allreduce
             of the delta); compression starts here. Unlike DDP's PowerSGD, 0 is fine:
-            our buckets are never rebuilt.
+            our buckets are never rebuilt. The state counts a round when the model's last
+            bucket averages: with ``fragments=K``, once per period (the K fragments'
+            rounds of one period share a number, here and for ``warm_start=False``).
         min_compression_rate: compress an ``n x m`` matrix only if
             ``n * m > min_compression_rate * r * (n + m)``; others, 1-D and 0-dim tensors
             are averaged exactly. ``0`` compresses every matrix.
