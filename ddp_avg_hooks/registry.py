@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._groups import group_of_state, is_member, or_world
 from .bucket import assign_buckets
+from .collectives import backend_device
 from .models import averaged_model
 from .errors import AveragingHookError
 from .errors import SettingsMismatchError
@@ -113,6 +114,7 @@ def _agree_across_ranks(handle: AveragingHandle, group) -> None:
             f"cause): {exc}"
         ) from exc
     ranks = dist.get_process_group_ranks(group)
+    mismatch = None
     for key in mine:
         values = [g.get(key) for g in gathered]
         differ = [ranks[i] for i, v in enumerate(values) if v != values[0]]
@@ -121,12 +123,27 @@ def _agree_across_ranks(handle: AveragingHandle, group) -> None:
             name = setting_name(key, values[first], values[0])
             what = difference(key, values[first], values[0],
                               theirs_at=f"on rank {differ[0]}", mine_at=f"on rank {ranks[0]}")
-            raise SettingsMismatchError(
+            mismatch = (
                 f"register_averaging_hook: ranks disagree on {name!r} (ranks {differ} differ "
                 f"from rank {ranks[0]}): {what}. Every rank of the averaging group must "
                 "register the same hook with the same settings (the options in "
                 "AveragingOptions.AGREED and the hook state's) and the same model"
             )
+            break
+    if handle.sharded and dist.get_world_size(handle.replica_group) > 1:
+        # FSDP2: the other replicate groups' ranks train with this one's shards; they
+        # stop too, rather than fail later in FSDP2's collectives
+        flag = torch.tensor([0 if mismatch is None else 1], dtype=torch.int32,
+                            device=backend_device(handle.replica_group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=handle.replica_group)
+        if mismatch is None and flag.item():
+            mismatch = (
+                "register_averaging_hook: the ranks of another replicate group (holding the "
+                "other shards of this replica) registered different settings; their error "
+                "names the setting. Every rank must register the same hook with the same "
+                "settings and the same model")
+    if mismatch is not None:
+        raise SettingsMismatchError(mismatch)
 
 
 def register_averaging_hook(

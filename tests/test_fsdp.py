@@ -272,6 +272,26 @@ def test_wrong_groups_and_native_hsdp_are_refused_on_every_rank():
         assert "Join([...]) with the handle of an FSDP2 model" in messages["join"]
 
 
+def _rank_one_rank_differs(rank, world_size):
+    model, replicate = F.sharded_model(2)
+    try:  # rank 1 (replicate group {1, 3}) registers another period
+        dah.register_averaging_hook(model, h.allreduce_hook, replicate,
+                                    period=3 if rank == 1 else 2)
+    except dah.errors.SettingsMismatchError as exc:
+        return str(exc)
+    return "registered"
+
+
+def test_a_setting_that_differs_on_one_rank_stops_every_replicate_group():
+    # the refusing group's ranks name the setting; the other group's stop with them,
+    # rather than train on and fail in FSDP2's all-gathers once the others are gone
+    messages = run_ranks(_rank_one_rank_differs, 4, timeout_s=120)
+    for r in (1, 3):
+        assert "ranks disagree on 'period'" in messages[r], messages[r]
+    for r in (0, 2):
+        assert "the ranks of another replicate group" in messages[r], messages[r]
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # FSDP1's deprecation notice
 def test_fsdp1_and_other_models_are_refused_with_the_fsdp2_recipe(world1):
     from torch.distributed.fsdp import FullyShardedDataParallel
