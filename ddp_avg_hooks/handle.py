@@ -351,7 +351,8 @@ class AveragingHandle(Joinable):
     def _due_in_replica(self, fragment: int | None) -> int | None:
         """A time-based round is due on every rank of this replica group once it is due on
         one of them (their clocks differ; their steps may not)."""
-        flag = torch.tensor([0 if fragment is None else 1], dtype=torch.int32)
+        flag = torch.tensor([0 if fragment is None else 1], dtype=torch.int32,
+                            device=backend_device(self._due_group))  # NCCL: on the GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._due_group)
         if fragment is None and flag.item():
             return self._plan.rounds % self._plan.fragments
