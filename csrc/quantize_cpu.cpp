@@ -98,21 +98,24 @@ bool kAvx2 = kHasAvx2;
 
 // |v| max of 8-value groups of the valid part: returns how many values it covered.
 DAH_AVX2 int64_t absmax_avx2(const float* x, const float* e, int64_t n, float* amax) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  // |v| as int32 bit patterns: for values without sign, integers order like the floats,
+  // and every nan pattern lies above inf, so the integer max keeps a nan at no extra cost
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  __m256i m = _mm256_setzero_si256();
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     __m256 v = _mm256_loadu_ps(x + j);
     if (e != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(e + j));
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));  // drops a NaN: kept apart
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    m = _mm256_max_epi32(m, _mm256_and_si256(_mm256_castps_si256(v), magnitude));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, m);
-  float r = *amax;
-  for (float l : lanes) r = nan_max(r, l);
-  if (_mm256_movemask_ps(nan) != 0) r = std::numeric_limits<float>::quiet_NaN();
-  *amax = r;
+  __m128i h = _mm_max_epi32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  const int32_t bits = _mm_cvtsi128_si32(h);
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  r = nan_max(*amax, r);
+  *amax = std::isnan(r) ? std::numeric_limits<float>::quiet_NaN() : r;  // torch's nan
   return j;
 }
 

@@ -166,10 +166,10 @@ def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
     scale = (vb.abs().amax(dim=-1) * (1.0 / qmax)).to(torch.float32)
     s = scale.to(ct).unsqueeze(-1)
     d = torch.where(s == 0, torch.ones_like(s), s)
-    q = torch.round(vb / d).clamp_(-qmax, qmax)
     # a block holding nan or inf: its scale is nan or inf and its codes 0, so every value
-    # of the block decodes to nan and a finite check sees it (a nan code has no integer)
-    q.masked_fill_(~torch.isfinite(s), 0)
+    # of the block decodes to nan and a finite check sees it. Its quotients are nan, or
+    # 0 (finite / inf), so codes 0 are the nan quotients made 0 (a nan has no integer)
+    q = torch.round(vb / d).clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
     if residual_out is not None:
         residual_out.copy_((vb - q * s).view(-1)[:n])
     layout.scales(packed).copy_(scale)
