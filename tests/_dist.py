@@ -8,6 +8,9 @@ A rank leaves with ``os._exit(0)`` right after saving its result and destroying 
 process group (with ``hard_exit=True``, for fault tests, without destroying it). A
 failing rank re-raises in the parent; ranks still running at the deadline are
 killed and ``TimeoutError`` is raised.
+
+``run_script(script, argv, nproc)`` runs a script file on forked ranks as torchrun
+would, for the benchmark harness's tests (see its docstring).
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import gc
 import multiprocessing
 import os
 import pickle
+import runpy
 import shutil
 import sys
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -44,29 +49,14 @@ _PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing", "torch.nn.par
 
 def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: float | None = None,
               env: dict | None = None, missing_ok: bool = False, hard_exit: bool = False, **kw):
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = _store(world_size, timeout_s)
     out = tempfile.mkdtemp(prefix="dah_ranks_")
     pg_timeout = PG_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
-    if START_METHOD == "forkserver":
-        multiprocessing.set_forkserver_preload(_PRELOAD)
     payload = pickle.dumps((fn, kw))
     try:
-        ctx = mp.start_processes(
-            _entry,
-            args=(payload, world_size, store.port, out, pg_timeout,
-                  {**os.environ, **(env or {})}, hard_exit),
-            nprocs=world_size,
-            join=False,
-            start_method=START_METHOD,
-        )
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{getattr(fn, '__name__', fn)}: "
-                                   f"ranks still running after {timeout_s}s")
+        _start_and_wait(_entry, (payload, world_size, store.port, out, pg_timeout,
+                                 {**os.environ, **(env or {})}, hard_exit),
+                        world_size, timeout_s, getattr(fn, "__name__", fn))
         paths = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
         # missing_ok: a rank that exits early on purpose (a simulated crash) returns None
         return [torch.load(p, weights_only=False) if (os.path.exists(p) or not missing_ok) else None
@@ -74,6 +64,51 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
     finally:
         shutil.rmtree(out, ignore_errors=True)
         del store
+
+
+def run_script(script: str, argv: list[str], nproc: int = 2, timeout_s: float = 120.0,
+               log: str | None = None, env: dict | None = None) -> list[int]:
+    """Run ``script`` as ``torchrun --standalone --nproc-per-node nproc script *argv`` would,
+    on ranks forked from the forkserver; returns their exit codes.
+
+    Each rank gets torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a store held here, as
+    torchrun's agent holds one) and runs the file as ``__main__`` with ``sys.argv`` set,
+    its output appended to ``log``. For scripts whose own behaviour is under test, not
+    torchrun's: it saves each launch the ~5 s of imports a fresh rank spends.
+    """
+    store = _store(nproc, timeout_s)
+    try:
+        return _start_and_wait(_script_entry, (script, list(argv), nproc, store.port, log,
+                                               {**os.environ, **(env or {})}),
+                               nproc, timeout_s, os.path.basename(script))
+    finally:
+        del store
+
+
+def _store(world_size: int, timeout_s: float):
+    return dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def _start_and_wait(entry, args: tuple, world_size: int, timeout_s: float, name) -> list[int]:
+    """Start ``entry(rank, *args)`` on ``world_size`` ranks; wait for them all, or kill
+    them at the deadline and raise ``TimeoutError``; a rank that raised re-raises here."""
+    if START_METHOD == "forkserver":
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+    ctx = mp.start_processes(entry, args=args, nprocs=world_size, join=False,
+                             start_method=START_METHOD)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not ctx.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{name}: ranks still running after {timeout_s}s")
+    except mp.ProcessExitedException:
+        if entry is not _script_entry:
+            raise  # a script's exit code is its result (torch stopped the other ranks)
+    return [p.exitcode for p in ctx.processes]
 
 
 def _entry(rank, payload, world_size, port, out, pg_timeout, env, hard_exit):
@@ -109,3 +144,34 @@ def _entry(rank, payload, world_size, port, out, pg_timeout, env, hard_exit):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _script_entry(rank, script, argv, world_size, port, log, env):
+    gc.freeze()  # as in _entry
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        ROLE_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        # init_process_group connects to the store held by run_script, as torchrun's
+        # workers connect to their agent's
+        TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+        TORCHELASTIC_MAX_RESTARTS="0", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"))
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))

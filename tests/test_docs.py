@@ -1,8 +1,9 @@
 """The documentation builds without a warning and documents every public name.
 
-One Sphinx build (``-W``: a warning, such as a broken reference or a docstring that does
-not parse, fails it) into a temporary folder; the checks read its ``objects.inv`` (every
-documented object) and its pages.
+One full Sphinx build (``-W``: a warning, such as a broken reference or a docstring that
+does not parse, fails it) into a temporary folder, or the one ``make docs`` has just made
+when ``DAH_DOCS_BUILT`` names it (``make test`` does); the checks read its
+``objects.inv`` (every documented object) and its pages.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 import html
 import importlib
 import inspect
+import os
 import pkgutil
 import re
 import subprocess
@@ -35,9 +37,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("docs")]
 # module-scoped build would be torn down and made again (30 s of sphinx each time)
 @pytest.fixture(scope="session")
 def built(tmp_path_factory) -> Path:
+    # `make test` runs `make docs` (the same full build, -E) just before pytest and names
+    # its output here, rather than have the suite build it again
+    if os.environ.get("DAH_DOCS_BUILT"):
+        out = Path(os.environ["DAH_DOCS_BUILT"])
+        assert (out / "objects.inv").is_file(), f"DAH_DOCS_BUILT={out}: no build there"
+        return out
     out = tmp_path_factory.mktemp("html")
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html",
          str(ROOT / "docs"), str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out

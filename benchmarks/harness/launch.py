@@ -34,6 +34,7 @@ from .netns import NetnsPair
 # inside a network namespace too, with no PYTHONPATH to set
 TRAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 RDZV_PORT = 29400
+LOOPBACK = "loopback (one host, no shaping)"
 
 
 class LaunchError(RuntimeError):
@@ -142,11 +143,16 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
             for p in procs:
                 if p.poll() is None:
                     _kill_tree(p)
-    wall = time.perf_counter() - t0
+    return record_launch(out, [shell_line(a, e) for a, e in jobs], time.perf_counter() - t0,
+                         pair.describe() if pair else LOOPBACK)
+
+
+def record_launch(out: str, commands: list[str], wall_s: float, network: str) -> dict:
+    """Add how a finished job was launched to its ``<out>/metrics.json`` and return it."""
+    metrics = os.path.join(out, "metrics.json")
     with open(metrics) as f:
         result = json.load(f)
-    result["launch"] = dict(commands=[shell_line(a, e) for a, e in jobs], wall_s=wall,
-                            network=pair.describe() if pair else "loopback (one host, no shaping)")
+    result["launch"] = dict(commands=commands, wall_s=wall_s, network=network)
     with open(metrics, "w") as f:
         json.dump(result, f)
     return result

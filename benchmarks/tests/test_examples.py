@@ -27,6 +27,7 @@ def _first_last(steps, k=5):
     return sum(losses[:k]) / k, sum(losses[-k:]) / k
 
 
+@pytest.mark.torchrun
 def test_ddp_trains_and_counts_gradient_bytes(tmp_path):
     # --stop-at-loss: any loss stops at the first validation past --min-steps
     r = _run("ddp", tmp_path, ["--stop-at-loss", "100", "--min-steps", "20"])
@@ -167,6 +168,7 @@ def test_diloco_variants_train_and_send_their_inner_hooks_bytes(tmp_path, hook, 
     assert all(s["round_wait_s"] == 0 for s in r["steps"] if not s["averaged"])
 
 
+@pytest.mark.torchrun
 def test_hierarchical_counts_node_and_global_rounds_separately(tmp_path):
     # 4 ranks as 2 "nodes" of 2: node rounds every 2 steps, global rounds every 4 (TINY)
     r = launch.run_training([*TINY, "--hook", "hierarchical", "--intra-period", "2",

@@ -113,6 +113,7 @@ def test_a_variant_without_local_steps_has_no_turns_within_the_local_step_target
     assert "| `x` | n/a | n/a | n/a | 12.5 | 1.250 (1.200–1.300) |" in table
 
 
+@pytest.mark.torchrun
 def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\n## Another section\n\nkept\n")

@@ -27,6 +27,7 @@ def _run(hook: str, tmp_path, extra=()) -> dict:
                                timeout_s=90)
 
 
+@pytest.mark.torchrun
 def test_torchft_diloco_syncs_every_period_through_its_manager(tmp_path):
     r = _run("torchft_diloco", tmp_path)
     steps, model_bytes = r["steps"], 4 * r["config"]["n_params"]

@@ -27,6 +27,8 @@ def test_cpu_quota_is_torn_down():
     assert not os.path.exists(path)
 
 
+# the benchmark finds the slow rank by its command line: a real torchrun launch
+@pytest.mark.torchrun
 def test_timed_rounds_under_jitter_and_a_slow_rank(tmp_path, bench_train):
     """One launch: the time-based variant, 3 rounds, every step jittered, rank 1 under a quota."""
     out = tmp_path / "res"
