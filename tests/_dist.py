@@ -56,7 +56,7 @@ def run_ranks(fn, world_size: int = 2, timeout_s: float = 120.0, pg_timeout_s: f
     try:
         _start_and_wait(_entry, (payload, world_size, store.port, out, pg_timeout,
                                  {**os.environ, **(env or {})}, hard_exit),
-                        world_size, timeout_s, getattr(fn, "__name__", fn))
+                        world_size, timeout_s, getattr(fn, "__name__", fn), exit_codes=False)
         paths = [os.path.join(out, f"rank{r}.pt") for r in range(world_size)]
         # missing_ok: a rank that exits early on purpose (a simulated crash) returns None
         return [torch.load(p, weights_only=False) if (os.path.exists(p) or not missing_ok) else None
@@ -81,7 +81,7 @@ def run_script(script: str, argv: list[str], nproc: int = 2, timeout_s: float = 
     try:
         return _start_and_wait(_script_entry, (script, list(argv), nproc, store.port, log,
                                                {**os.environ, **(env or {})}),
-                               nproc, timeout_s, os.path.basename(script))
+                               nproc, timeout_s, os.path.basename(script), exit_codes=True)
     finally:
         del store
 
@@ -91,9 +91,12 @@ def _store(world_size: int, timeout_s: float):
                          timeout=timedelta(seconds=timeout_s))
 
 
-def _start_and_wait(entry, args: tuple, world_size: int, timeout_s: float, name) -> list[int]:
+def _start_and_wait(entry, args: tuple, world_size: int, timeout_s: float, name, *,
+                    exit_codes: bool) -> list[int]:
     """Start ``entry(rank, *args)`` on ``world_size`` ranks; wait for them all, or kill
-    them at the deadline and raise ``TimeoutError``; a rank that raised re-raises here."""
+    them at the deadline and raise ``TimeoutError``. A rank that raised or exited with
+    an error re-raises here, unless ``exit_codes``: then the ranks' exit codes are the
+    result (torch stops the other ranks when one fails, as torchrun does)."""
     if START_METHOD == "forkserver":
         multiprocessing.set_forkserver_preload(_PRELOAD)
     ctx = mp.start_processes(entry, args=args, nprocs=world_size, join=False,
@@ -106,8 +109,8 @@ def _start_and_wait(entry, args: tuple, world_size: int, timeout_s: float, name)
                     p.kill()
                 raise TimeoutError(f"{name}: ranks still running after {timeout_s}s")
     except mp.ProcessExitedException:
-        if entry is not _script_entry:
-            raise  # a script's exit code is its result (torch stopped the other ranks)
+        if not exit_codes:
+            raise
     return [p.exitcode for p in ctx.processes]
 
 
