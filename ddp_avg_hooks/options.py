@@ -108,7 +108,9 @@ class AveragingOptions:
         agreed=True)
     optimizer_state: str = _option("keep", (
         "`\"keep\"`, `\"average\"` or `\"reset\"`: what a round does to the optimizer's "
-        "momentum and Adam moments (average them exactly, or zero them); needs `optimizer=`. "
+        "state: average its momentum and Adam moments exactly, or empty it so that the next "
+        "step starts it afresh, as a new optimizer's first step does (Adam's step count and "
+        "bias correction included); needs `optimizer=`. "
         "With `\"average\"`, each round first checks that every rank holds the same state "
         "tensors (one small all-gather): state tensors that differ in name, shape or dtype "
         "(another optimizer class, or a setting that changes them, such as Adam's "

@@ -7,7 +7,8 @@ bytes count in ``stats.bytes_sent``), and may act once every result is written b
   BatchNorm's running statistics.
 * :class:`OptimizerStateAveraging` (``optimizer_state="average"``): the optimizer's
   per-parameter state tensors (momentum, Adam's moments).
-* :class:`OptimizerStateReset` (``optimizer_state="reset"``): zero them instead.
+* :class:`OptimizerStateReset` (``optimizer_state="reset"``): empty it instead, so that
+  the next step starts it afresh, as a new optimizer's.
 
 Example:
     >>> import torch
@@ -115,15 +116,18 @@ class OptimizerStateAveraging(RoundPolicy):
 
 
 class OptimizerStateReset(RoundPolicy):
-    """Zero the optimizer's state of ``params`` after every round."""
+    """Empty the optimizer's state of ``params`` after every round, as a new optimizer's
+    is: its next step builds the state again as its first step would (momentum from that
+    step's gradient, Adam's moments from zero with the bias correction of step 1, Rprop's
+    step sizes from ``lr``). PyTorch's optimizers build their state at their first step;
+    one that builds it in its constructor cannot be reset."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list) -> None:
         self._optimizer, self._params = optimizer, params
 
     def after_write_back(self) -> None:
-        tensors = optimizer_state_tensors(self._optimizer, self._params)
-        if tensors:
-            torch._foreach_zero_(list(tensors))
+        for p in self._params:
+            self._optimizer.state.pop(p, None)
 
 
 def check_buckets_agree(policies: list[RoundPolicy], buckets: list[ParamBucket], group,
