@@ -169,7 +169,9 @@ def register_averaging_hook(
             (and not those DDP ignores) are averaged, or ``torch.compile`` of one; or an
             FSDP2 module (the root ``fully_shard`` returned, on a 1-D mesh per replica
             group), whose local shards are averaged over the hook state's group, the
-            replicate group (see :mod:`ddp_avg_hooks.models`).
+            replicate group (see :mod:`ddp_avg_hooks.models`). The parameters are those
+            trainable at registration, as DDP fixes its own when it is built: one
+            unfrozen later is averaged only after ``remove()`` and a new registration.
         hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``hooks.allreduce_hook``.
         state: passed to every hook call (``None`` or a process group for the built-ins).
             A state with memory per bucket (``QuantizedDeltaState``, ``PowerSGDState``,
