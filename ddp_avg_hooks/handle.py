@@ -499,16 +499,20 @@ class AveragingHandle(Joinable):
                 f"got {type(state_dict).__name__}"
                 + (f" with keys {sorted(state_dict)}" if isinstance(state_dict, dict) else "")
             )
+        # the settings first: another bucket layout or fragment count also gives entries
+        # of other lengths, which are then the consequence, not the damage
+        if isinstance(state_dict["config"], dict):
+            for key, mine in self.config().items():
+                theirs = state_dict["config"].get(key, _ADDED_SETTINGS.get(key))
+                if theirs != mine:
+                    raise SettingsMismatchError(
+                        f"load_state_dict: the checkpoint was made with other settings: "
+                        f"{difference(key, theirs, mine)}; register with the same settings "
+                        "to resume")
         problem = self._entry_problem(state_dict)
         if problem:
             raise ValueError(f"load_state_dict: the state dict is damaged: {problem}; load "
                              "what AveragingHandle.state_dict() wrote (nothing was changed)")
-        for key, mine in self.config().items():
-            theirs = state_dict["config"].get(key, _ADDED_SETTINGS.get(key))
-            if theirs != mine:
-                raise SettingsMismatchError(
-                    f"load_state_dict: the checkpoint was made with other settings: "
-                    f"{difference(key, theirs, mine)}; register with the same settings to resume")
         for bucket, anchor, kept in zip(self._engine.buckets, state_dict["anchors"],
                                           state_dict["bucket_memory"]):
             bucket.check_state({"anchor": anchor, "memory": kept})

@@ -207,12 +207,16 @@ def test_a_checkpoint_with_other_settings_is_refused_naming_the_setting(world1):
                                 "options": {"period": 2}})
     saved = saved_by.state_dict()
     saved_by.remove()
-    for hook, state, options, setting in (
-            ("int8", {"block_size": 128}, {}, "block_size"),
-            ("int8", {"block_size": 64}, {"track_consensus": True}, "track_consensus")):
+    # other fragments or buckets also give entries of other lengths: the setting is named,
+    # not a "damaged" entry
+    for hook, state, options, says in (
+            ("int8", {"block_size": 128}, {}, "'block_size' differs"),
+            ("int8", {"block_size": 64}, {"track_consensus": True}, "'track_consensus' differs"),
+            ("int8", {"block_size": 64}, {"fragments": 2}, "'fragments' differs: 1 there, 2"),
+            ("int8", {"block_size": 64}, {"bucket_cap_mb": 1e-5}, "'bucket_cap_mb' differs: 25.0 there")):
         _, _, handle = _register({"hook": hook, "state": state,
                                   "options": {"period": 2, **options}})
-        with pytest.raises(dah.errors.SettingsMismatchError, match=f"'{setting}' differs"):
+        with pytest.raises(dah.errors.SettingsMismatchError, match=says):
             handle.load_state_dict(saved)
         assert handle.step_count == 0  # nothing loaded
         handle.remove()
