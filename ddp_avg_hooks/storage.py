@@ -29,6 +29,9 @@ into one flat tensor and each becomes a view of it (``p.data = flat[offset:offse
 p.numel()].view(p.shape)``). What changes for the user: each parameter's
 ``data_ptr()`` (once) and its memory format, which becomes contiguous. The
 ``Parameter`` objects stay the same, so the optimizer, its state and DDP keep working.
+A parameter whose ``.data`` is replaced later (``p.data = t``,
+``vector_to_parameters``) becomes a view again at the next round, its values copied in;
+one cast or moved (``model.to(torch.float64)``) is refused then, with nothing changed.
 An exact round then runs the collective on the parameters themselves: ``buffer()``
 *is* the parameters, a result that is that storage is not copied back, and the bucket
 keeps no model-size buffer. Hooks that write a result of their own (``workspace()``)
@@ -284,12 +287,35 @@ class ZeroCopyStorage(DeviceStorage):
         flat = self.empty()
         with torch.no_grad():
             ops.flatten(self.params, flat)
-            for p, view in zip(self.params, ops.split_like(flat, self.params)):
+            self._views = ops.split_like(flat, self.params)
+            for p, view in zip(self.params, self._views):
                 p.data = view
         self._flat = flat  # the parameters' storage
         self.in_place = in_place
         self._copy: torch.Tensor | None = None  # buffer() when not in place
         self._work: torch.Tensor | None = None  # workspace(): never the parameters
+
+    @torch.no_grad()
+    def follow_parameters(self) -> None:
+        """Make every parameter a view of the flat buffer again, where its ``.data`` was
+        replaced since registration (``p.data = t``, ``vector_to_parameters``, ``.to()``
+        of the model): its values are copied into the buffer, so the round averages what
+        the model holds. A replacement of another dtype, shape or device cannot live in
+        the buffer: ``RuntimeError``, nothing changed. Runs at the start of each round."""
+        moved = [(p, view) for p, view in zip(self.params, self._views)
+                 if p.data_ptr() != view.data_ptr()]
+        for p, view in moved:
+            if (p.dtype, p.shape, p.device) != (view.dtype, view.shape, view.device):
+                raise RuntimeError(
+                    f"zero_copy: a parameter of shape {tuple(view.shape)} is now "
+                    f"{p.dtype} {tuple(p.shape)} on {p.device}, not the {view.dtype} on "
+                    f"{view.device} it was at registration (the model was moved or cast, "
+                    "e.g. model.to(torch.float64) or .half()); the rounds cannot reach it. "
+                    "Change the model before registering, or handle.remove() and register "
+                    "again after the change")
+        for p, view in moved:
+            view.copy_(p.data)
+            p.data = view
 
     def buffer(self) -> torch.Tensor:
         if self.in_place:
@@ -299,21 +325,25 @@ class ZeroCopyStorage(DeviceStorage):
         return self._copy
 
     def load(self, scale: float | None = None) -> torch.Tensor:
+        self.follow_parameters()
         out = self.buffer()
         if not self.in_place:
             out.copy_(self._flat)
         return out if scale is None else out.mul_(scale)
 
     def workspace(self) -> torch.Tensor:
+        self.follow_parameters()
         if self._work is None:
             self._work = torch.empty_like(self._flat)
         return self._work
 
     def keep_anchor(self) -> None:
+        self.follow_parameters()
         self.anchor = self._flat.clone()
 
     @torch.no_grad()
     def write(self, values: torch.Tensor) -> None:
+        self.follow_parameters()
         values = values.reshape(-1)
         if values.data_ptr() != self._flat.data_ptr():
             self._flat.copy_(values)

@@ -213,7 +213,8 @@ def test_a_checkpoint_with_other_settings_is_refused_naming_the_setting(world1):
             ("int8", {"block_size": 128}, {}, "'block_size' differs"),
             ("int8", {"block_size": 64}, {"track_consensus": True}, "'track_consensus' differs"),
             ("int8", {"block_size": 64}, {"fragments": 2}, "'fragments' differs: 1 there, 2"),
-            ("int8", {"block_size": 64}, {"bucket_cap_mb": 1e-5}, "'bucket_cap_mb' differs: 25.0 there")):
+            ("int8", {"block_size": 64}, {"bucket_cap_mb": 1e-5},
+             "'bucket_cap_mb' differs: 25.0 there")):
         _, _, handle = _register({"hook": hook, "state": state,
                                   "options": {"period": 2, **options}})
         with pytest.raises(dah.errors.SettingsMismatchError, match=says):

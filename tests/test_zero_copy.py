@@ -115,3 +115,42 @@ def test_zero_copy_rejected_round_changes_nothing(world1):
             handle.average()
         assert torch.equal(flat(model), before)
         handle.remove()
+
+
+def _rank_replaced(rank, world_size):
+    model = make_model()
+    params = list(model.parameters())
+    handle = dah.register_averaging_hook(DDP(model), dah.hooks.allreduce_hook, None,
+                                         zero_copy=True, bucket_cap_mb=200 / 2**20)
+    n = sum(p.numel() for p in params)
+    out = {}
+    # vector_to_parameters: every .data becomes a view of this rank's vector
+    torch.nn.utils.vector_to_parameters(torch.arange(n, dtype=torch.float32) * (rank + 1), params)
+    handle.average()
+    out["vector"] = flat(model)
+    with torch.no_grad():
+        params[0].data = torch.full_like(params[0], float(rank))  # one parameter
+    handle.average()
+    out["one"] = params[0].detach().clone()
+    out["storages"] = len({p.untyped_storage().data_ptr() for p in params})
+    model.double()  # a cast cannot live in the buckets' float32 storage
+    try:
+        handle.average()
+        out["cast"] = None
+    except Exception as exc:
+        out["cast"] = f"{type(exc).__name__}: {exc}"
+    out["cast_kept"] = params[0].dtype
+    return out
+
+
+def test_zero_copy_follows_parameters_whose_data_was_replaced():
+    # a round averages what the model holds, against the mean of the ranks' values
+    # computed here; a replacement of another dtype is refused on every rank
+    for out in run_ranks(_rank_replaced, 2, timeout_s=60, pg_timeout_s=10):
+        n = out["vector"].numel()
+        assert torch.equal(out["vector"], torch.arange(n, dtype=torch.float32) * 1.5)
+        assert torch.equal(out["one"], torch.full_like(out["one"], 0.5))
+        assert out["storages"] == 2  # views of the two buckets' storage again
+        assert out["cast"] is not None and "zero_copy" in out["cast"], out["cast"]
+        assert "torch.float64" in out["cast"] and "register" in out["cast"], out["cast"]
+        assert out["cast_kept"] == torch.float64  # nothing changed
