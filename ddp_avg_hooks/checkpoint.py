@@ -14,7 +14,9 @@ What it guarantees:
 * **Nothing damaged or foreign is loaded.** A marker records the SHA-256 of each file
   beside it; before anything is loaded every rank verifies its files, and the ranks
   agree on the newest round all of them verified. A damaged round is skipped with a
-  warning naming the file, and the next older one is used. Files are read with
+  warning naming the file, and the next older one is used; so is a round whose folder
+  holds a rank file of another round (with its marker: the checksums agree, but the
+  ranks would resume different rounds). Files are read with
   ``torch.load(weights_only=True)``: tensors and plain containers only, so a file
   replaced by a pickle that runs code is refused, not run. What it writes is plain
   tensors and containers (a sharded model's DTensors are saved as local shards).
@@ -548,6 +550,14 @@ class RoundCheckpointer(Joinable):
             if (not isinstance(state, dict) or state.get("format") != _FORMAT
                     or not _STATE_KEYS <= set(state)):
                 return f"{path} is not a round checkpoint of this format"
+            saved = state["averaging"]
+            stats = saved.get("stats") if isinstance(saved, dict) else None
+            saved_rounds = stats.get("rounds") if isinstance(stats, dict) else None
+            if isinstance(saved_rounds, int) and saved_rounds != rounds:
+                # its marker may vouch for it (copied along): the ranks would resume
+                # different rounds
+                return (f"{path} holds round {saved_rounds}, not round {rounds} (a file of "
+                        "another round put in its folder)")
             model = None
             if state["own_model"] or self.rank == 0:
                 path = folder / (f"model_rank{self.rank}.pt" if state["own_model"] else "model.pt")

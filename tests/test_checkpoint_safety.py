@@ -83,6 +83,20 @@ def test_a_truncated_newest_round_falls_back_to_the_older_one(tmp_path, straight
         assert torch.equal(resumed[r]["params"], straight[r]["params"])
 
 
+def test_a_rank_file_of_an_older_round_in_a_newer_folder_is_not_mixed_in(tmp_path, straight):
+    # rank 1's files of round 2, with their marker, put in round 3's folder: the checksums
+    # agree, but the ranks would resume different rounds
+    _stopped(tmp_path)
+    for name in ("rank1.pt", "rank1.done"):
+        (tmp_path / "round-00000003" / name).write_bytes(
+            (tmp_path / "round-00000002" / name).read_bytes())
+    resumed = run_ranks(_rank, 2, timeout_s=90, ckpt_dir=str(tmp_path), resume=True)
+    for r in range(2):
+        assert resumed[r]["error"] is None and resumed[r]["restored"] == 2
+        assert any("holds round 2, not round 3" in w for w in resumed[r]["warnings"])
+        assert torch.equal(resumed[r]["params"], straight[r]["params"])
+
+
 class _Payload:
     """Unpickling this runs code: it would create the file ``path``."""
 
