@@ -299,9 +299,16 @@ class ZeroCopyStorage(DeviceStorage):
     def follow_parameters(self) -> None:
         """Make every parameter a view of the flat buffer again, where its ``.data`` was
         replaced since registration (``p.data = t``, ``vector_to_parameters``, ``.to()``
-        of the model): its values are copied into the buffer, so the round averages what
+        of the model), its values copied into the buffer, so that a round averages what
         the model holds. A replacement of another dtype, shape or device cannot live in
-        the buffer: ``RuntimeError``, nothing changed. Runs at the start of each round."""
+        the buffer: ``RuntimeError``, nothing changed. Runs as each round begins."""
+        for p, view in self._moved():
+            view.copy_(p.data)
+            p.data = view
+
+    def _moved(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, its view)`` of the parameters that are views no more; raises
+        for one that cannot become one again."""
         moved = [(p, view) for p, view in zip(self.params, self._views)
                  if p.data_ptr() != view.data_ptr()]
         for p, view in moved:
@@ -313,9 +320,7 @@ class ZeroCopyStorage(DeviceStorage):
                     "e.g. model.to(torch.float64) or .half()); the rounds cannot reach it. "
                     "Change the model before registering, or handle.remove() and register "
                     "again after the change")
-        for p, view in moved:
-            view.copy_(p.data)
-            p.data = view
+        return moved
 
     def buffer(self) -> torch.Tensor:
         if self.in_place:
@@ -343,10 +348,12 @@ class ZeroCopyStorage(DeviceStorage):
 
     @torch.no_grad()
     def write(self, values: torch.Tensor) -> None:
-        self.follow_parameters()
+        moved = self._moved()  # replaced during the round: they take its values too
         values = values.reshape(-1)
         if values.data_ptr() != self._flat.data_ptr():
             self._flat.copy_(values)
+        for p, view in moved:
+            p.data = view
         if self.anchor is not None:
             self.anchor.copy_(self._flat)
 
