@@ -132,8 +132,9 @@ class AveragingHandle(Joinable):
 
     Uneven inputs: train inside ``torch.distributed.algorithms.join.Join([ddp, handle])``
     (the DDP model first), as with DDP alone. A rank whose inputs run out keeps taking
-    part in the rounds of the ranks still training, its parameters unchanged since it
-    joined (a change of zero, as DDP's joined ranks send zero gradients); at the end DDP
+    part in the rounds of the ranks still training without a step of its own: it sends
+    a change of zero (as DDP's joined ranks send zero gradients) and takes each round's
+    result like the others; at the end DDP
     gives every rank the model of the last rank to join. Inside ``Join`` each
     ``step()`` must follow exactly one forward of the DDP model (``Join`` counts forwards
     as steps): accumulate gradients or evaluate outside it, or through ``ddp.module``.

@@ -42,6 +42,28 @@ def test_importing_the_package_imports_no_framework():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
+def test_each_integration_example_answers_help_with_its_command():
+    for package in ("lightning", "transformers", "accelerate"):
+        pytest.importorskip(package)
+    folder = os.path.join(HERE, os.pardir, "examples", "integrations")
+    names = ["accelerate_local_sgd.py", "hf_trainer_local_sgd.py", "lightning_local_sgd.py"]
+    code = ("import runpy, sys\n"  # one interpreter: the frameworks imported once
+            f"sys.path.insert(0, {folder!r})\n"
+            f"for name in {names!r}:\n"
+            f"    sys.argv = [name, '--help']\n"
+            "    try:\n"
+            f"        runpy.run_path({folder!r} + '/' + name, run_name='__main__')\n"
+            "    except SystemExit as exc:\n"
+            "        print('exit', exc.code)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    for name in names:  # argparse's help, with the torchrun command of the docstring
+        assert f"usage: {name} [-h]" in r.stdout, r.stdout
+        assert f"torchrun --nproc-per-node 2 examples/integrations/{name}" in r.stdout, r.stdout
+    assert r.stdout.count("exit 0") == 3, r.stdout
+
+
 def _run_checks(script: str, packages: list[str], summary: str, agree: str, checks: list[str],
                 *args: str) -> None:
     """Run a check script on 2 ranks: its summary line, its agreement line, every check ok."""

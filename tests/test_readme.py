@@ -34,6 +34,9 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
     # one line per rank (their output may interleave): 200 steps, warm-up 20, period 8
     stats = re.findall(r"AveragingStats\(rounds=(\d+)", proc.stdout)
     assert stats == ["23", "23"], proc.stdout
+    # and it trains: the loss of a first step is about 30 (the target's variance is 32)
+    losses = [float(v) for v in re.findall(r"loss (\S+) AveragingStats", proc.stdout)]
+    assert len(losses) == 2 and all(0.0 <= v < 2.0 for v in losses), proc.stdout
 
 
 def test_readme_hook_snippets_register_and_average(world1):

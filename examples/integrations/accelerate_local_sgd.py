@@ -7,6 +7,8 @@ Two CPU processes fit a small MLP to a synthetic regression, accumulating gradie
 2 micro-batches. Gradients are averaged for the first 4 optimizer steps; after that they
 stay local and the fp16-compressed deltas of the parameters are averaged every 8 steps.
 """
+import argparse
+
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
@@ -56,4 +58,6 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

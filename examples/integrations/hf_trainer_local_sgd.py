@@ -7,6 +7,8 @@ downloaded) on random token sequences, accumulating 2 micro-batches per optimize
 Gradients are averaged for the first 4 steps; after that the parameters are averaged
 exactly every 4 steps, and once more when training ends.
 """
+import argparse
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -43,6 +45,9 @@ def make_trainer(out_dir="/tmp/hf_local_sgd", max_steps=21):
 
 def main():
     trainer = make_trainer()
+    if trainer.args.world_size < 2:  # the replicas' check below needs a process group
+        raise SystemExit("run with: torchrun --nproc-per-node 2 "
+                         "examples/integrations/hf_trainer_local_sgd.py")
     local_sgd = add_local_sgd(trainer, dah.hooks.allreduce_hook, period=4, warmup_steps=4)
     result = trainer.train()
     gap = spread(trainer.model)
@@ -56,4 +61,6 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -7,6 +7,8 @@ Two CPU processes fit a small MLP to a synthetic regression (each rank reads its
 of the data). DDP averages gradients for the first 8 optimizer steps; after that they
 stay local and ``hooks.allreduce_hook`` averages the parameters every 8 steps.
 """
+import argparse
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -65,4 +67,6 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
