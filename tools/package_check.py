@@ -12,7 +12,7 @@ and the wheel. Then, from that folder:
    for a machine without a C++ compiler);
 3. the README's training example runs under
    ``python -m torch.distributed.run --standalone --nproc-per-node 2`` and both ranks
-   print their ``AveragingStats``;
+   print a finite last loss (below 2, from about 30) and their ``AveragingStats``;
 4. two of the repository's examples, copied next to it, train against the installed
    package: ``examples/local_sgd.py`` (DDP, 2 ranks; again with uneven inputs, one rank
    20 batches short, inside ``Join``) and ``examples/fsdp2.py`` (2 replica
@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                     "2", "train.py"], cwd=tmp, env=env, timeout=600).stdout
         stats = re.findall(r"AveragingStats\(rounds=\d+[^)]*\)", out)  # ranks may share a line
         _check(len(stats) == 2, f"expected the stats of 2 ranks, got:\n{out}")
-        print(*stats, sep="\n")
+        losses = [float(v) for v in re.findall(r"loss (\S+) AveragingStats", out)]
+        _check(len(losses) == 2 and all(0.0 <= v < 2.0 for v in losses),
+               f"expected both ranks to train (a last loss below 2), got:\n{out}")
+        print(*(f"loss {v} {s}" for v, s in zip(losses, stats)), sep="\n")
 
         shutil.copytree(ROOT / "examples", tmp / "examples",
                         ignore=shutil.ignore_patterns("__pycache__"))
