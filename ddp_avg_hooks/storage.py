@@ -296,7 +296,7 @@ class ZeroCopyStorage(DeviceStorage):
         self._work: torch.Tensor | None = None  # workspace(): never the parameters
 
     @torch.no_grad()
-    def follow_parameters(self) -> None:
+    def _follow_parameters(self) -> None:
         """Make every parameter a view of the flat buffer again, where its ``.data`` was
         replaced since registration (``p.data = t``, ``vector_to_parameters``, ``.to()``
         of the model), its values copied into the buffer, so that a round averages what
@@ -330,20 +330,20 @@ class ZeroCopyStorage(DeviceStorage):
         return self._copy
 
     def load(self, scale: float | None = None) -> torch.Tensor:
-        self.follow_parameters()
+        self._follow_parameters()
         out = self.buffer()
         if not self.in_place:
             out.copy_(self._flat)
         return out if scale is None else out.mul_(scale)
 
     def workspace(self) -> torch.Tensor:
-        self.follow_parameters()
+        self._follow_parameters()
         if self._work is None:
             self._work = torch.empty_like(self._flat)
         return self._work
 
     def keep_anchor(self) -> None:
-        self.follow_parameters()
+        self._follow_parameters()
         self.anchor = self._flat.clone()
 
     @torch.no_grad()

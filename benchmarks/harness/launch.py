@@ -38,7 +38,14 @@ LOOPBACK = "loopback (one host, no shaping)"
 
 
 class LaunchError(RuntimeError):
-    pass
+    @classmethod
+    def timed_out(cls, timeout_s: float, log: str) -> LaunchError:
+        return cls(f"training did not finish in {timeout_s:.0f} s (log: {log})")
+
+    @classmethod
+    def failed(cls, codes: list, log: str) -> LaunchError:
+        """The ranks' (or nodes') exit codes, with the end of the log."""
+        return cls(f"training failed with exit codes {codes}; log: {log}\n" + _tail(log))
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -103,11 +110,7 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
     all output goes to ``log`` (default ``<out>/launch.log``). ``script`` runs instead of
     ``train.py`` (it takes ``--out`` and writes ``<out>/metrics.json`` on rank 0).
     """
-    os.makedirs(out, exist_ok=True)
-    metrics = os.path.join(out, "metrics.json")
-    if os.path.exists(metrics):
-        os.remove(metrics)
-    args = [*train_args, "--out", out]
+    args, log = prepare_job(train_args, out, log)
     if pair is None:
         jobs = [(loopback_command(args, nproc, script), {})]
     else:
@@ -115,7 +118,6 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
             raise ValueError(f"the two-namespace launch runs nproc / 2 ranks on each of its "
                              f"two nodes: nproc must be even and >= 2, got {nproc}")
         jobs = two_node_commands(pair, args, rdzv_id, nproc_per_node=nproc // 2, script=script)
-    log = log or os.path.join(out, "launch.log")
     procs = []
     t0 = time.perf_counter()
     with open(log, "w") as logf:
@@ -131,20 +133,29 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
             deadline = time.monotonic() + timeout_s
             while any([p.poll() is None for p in procs]):  # a list: poll every process
                 if time.monotonic() > deadline:
-                    raise LaunchError(f"training did not finish in {timeout_s:.0f} s (log: {log})")
+                    raise LaunchError.timed_out(timeout_s, log)
                 if any(p.returncode not in (None, 0) for p in procs):
                     break  # one node failed: do not wait for the other's timeout
                 time.sleep(0.2)
             codes = [p.returncode for p in procs]
             if any(c != 0 for c in codes):
-                raise LaunchError(f"training failed with exit codes {codes}; log: {log}\n"
-                                  + _tail(log))
+                raise LaunchError.failed(codes, log)
         finally:
             for p in procs:
                 if p.poll() is None:
                     _kill_tree(p)
     return record_launch(out, [shell_line(a, e) for a, e in jobs], time.perf_counter() - t0,
                          pair.describe() if pair else LOOPBACK)
+
+
+def prepare_job(train_args: list[str], out: str, log: str | None) -> tuple[list[str], str]:
+    """Make ``out`` ready for a job (an old ``metrics.json`` removed); the script's
+    arguments (``--out`` added) and the log's path (default ``<out>/launch.log``)."""
+    os.makedirs(out, exist_ok=True)
+    metrics = os.path.join(out, "metrics.json")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    return [*train_args, "--out", out], log or os.path.join(out, "launch.log")
 
 
 def record_launch(out: str, commands: list[str], wall_s: float, network: str) -> dict:

@@ -44,12 +44,7 @@ def _forked_loopback_training(request, monkeypatch):
         if pair is not None:
             return real(train_args, out, pair=pair, nproc=nproc, timeout_s=timeout_s, log=log,
                         stream=stream, rdzv_id=rdzv_id, script=script)
-        os.makedirs(out, exist_ok=True)
-        metrics = os.path.join(out, "metrics.json")
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        args = [*train_args, "--out", out]
-        log = log or os.path.join(out, "launch.log")
+        args, log = launch.prepare_job(train_args, out, log)
         command = launch.shell_line(launch.loopback_command(args, nproc, script))
         with open(log, "w") as f:
             f.write(f"$ {command}  (on forked ranks)\n")
@@ -58,11 +53,9 @@ def _forked_loopback_training(request, monkeypatch):
             codes = run_script(script, args, nproc, timeout_s, log=log,
                                env={"PYTHONUNBUFFERED": "1"})
         except TimeoutError:
-            raise launch.LaunchError(f"training did not finish in {timeout_s:.0f} s (log: {log})")
+            raise launch.LaunchError.timed_out(timeout_s, log)
         if any(c != 0 for c in codes):
-            with open(log, errors="replace") as f:
-                tail = "".join(f.readlines()[-30:])
-            raise launch.LaunchError(f"training failed with exit codes {codes}; log: {log}\n{tail}")
+            raise launch.LaunchError.failed(codes, log)
         return launch.record_launch(out, [command], time.perf_counter() - t0, launch.LOOPBACK)
 
     monkeypatch.setattr(launch, "run_training", run_training)
