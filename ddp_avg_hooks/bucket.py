@@ -95,7 +95,7 @@ class ParamBucket:
     :meth:`mark_result_as_values`, :attr:`result_is_delta`, :meth:`defer`,
     :meth:`new_state`, :meth:`memory`, :meth:`record_sent`, :attr:`overlapped` and the
     ``device`` / ``dtype`` / ``state_device`` / ``offloaded`` attributes. For the round
-    engine: :meth:`begin_round`, :meth:`apply`, :meth:`reset_anchor`,
+    engine: :meth:`check_parameters`, :meth:`begin_round`, :meth:`apply`, :meth:`reset_anchor`,
     :meth:`launch_snapshot`, :meth:`state_dict`, :meth:`load_state_dict`,
     :meth:`layout` and :meth:`memory_tensors`.
 
@@ -381,6 +381,11 @@ class ParamBucket:
         self._round.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
     # --- the round engine's side ---------------------------------------------------------
+    def check_parameters(self) -> None:
+        """Raise ``RuntimeError`` if a parameter was cast or moved since registration
+        (its dtype, shape or device is not the bucket's any more), changing nothing."""
+        self._storage.check_parameters()
+
     def begin_round(self, scale: float = 1.0, *, overlapped: bool = False,
                     background: Background | None = None) -> BucketRound:
         """Start a round: :meth:`buffer` is stale, ``defer`` keeps its calls, and with

@@ -172,6 +172,8 @@ def register_averaging_hook(
             replicate group (see :mod:`ddp_avg_hooks.models`). The parameters are those
             trainable at registration, as DDP fixes its own when it is built: one
             unfrozen later is averaged only after ``remove()`` and a new registration.
+            So are their dtype and device: a round after the model is cast or moved
+            (``model.to(torch.float64)``) raises ``RuntimeError``, changing nothing.
         hook: ``hook(state, bucket) -> Future[Tensor]``, e.g. ``hooks.allreduce_hook``.
         state: passed to every hook call (``None`` or a process group for the built-ins).
             A state with memory per bucket (``QuantizedDeltaState``, ``PowerSGDState``,

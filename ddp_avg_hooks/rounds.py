@@ -259,12 +259,14 @@ class RoundEngine:
         themselves are untouched), so that a plain average becomes a weighted one.
         """
         started = time.perf_counter()
-        scale, exchange = 1.0, None
-        if self.weighted and fragment is not None:
-            scale, exchange = self.weights.start(local_steps, fragment, self.exact_group, where)
         buckets = self.buckets if fragment is None else self.fragments[fragment]
         # the policies' extras (buffers, optimizer state) go with the first fragment
         extras = [b for p in self.policies for b in p.buckets()] if not fragment else []
+        for bucket in (*buckets, *extras):  # before anything starts: a refusal changes nothing
+            bucket.check_parameters()
+        scale, exchange = 1.0, None
+        if self.weighted and fragment is not None:
+            scale, exchange = self.weights.start(local_steps, fragment, self.exact_group, where)
         if not fragment and any(p.changing for p in self.policies):
             check_buckets_agree(self.policies, extras, self.exact_group, where)
         with _profiler_range("ddp_avg_hooks::round::launch"):

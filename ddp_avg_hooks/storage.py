@@ -12,7 +12,10 @@ object, chosen at registration:
   bucket's flat buffer, so an exact round runs on the parameters' own storage.
 
 All three give the same results bit for bit (the same ops run on the same values);
-they differ in what memory a round needs and where.
+they differ in what memory a round needs and where. Each keeps the dtype and device its
+parameters had at registration: a round after the model is cast or moved
+(``model.to(torch.float64)``) raises ``RuntimeError`` before any bucket starts, so
+nothing changes (remove the handle and register again after the change).
 
 **Host memory** (``offload_state=True``). Each op that needs the anchor or a residual
 copies that bucket's part to the parameters' device, runs the same op as device
@@ -86,6 +89,7 @@ class DeviceStorage:
         first = self.params[0]
         self.device, self.dtype = first.device, first.dtype
         self.numel = sum(p.numel() for p in self.params)
+        self._shapes = [p.shape for p in self.params]
         #: the anchor where it is kept (``None``: the bucket keeps none)
         self.anchor: torch.Tensor | None = None
         self._flat: torch.Tensor | None = None
@@ -94,6 +98,16 @@ class DeviceStorage:
     def state_device(self) -> torch.device:
         """Where anchors and hook memory live."""
         return self.device
+
+    def check_parameters(self) -> None:
+        """Raise ``RuntimeError`` if a parameter is no longer of the dtype, shape and
+        device it had at registration (the model was cast or moved since, e.g.
+        ``model.to(torch.float64)``): the bucket's buffers cannot hold it without
+        rounding or copying it elsewhere. Runs as each round begins, before any bucket
+        starts, so a refused round changes nothing."""
+        for p, shape in zip(self.params, self._shapes):
+            if (p.dtype, p.shape, p.device) != (self.dtype, shape, self.device):
+                raise RuntimeError(_changed_parameter(p, shape, self.dtype, self.device))
 
     def empty(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """An uninitialised flat tensor of the bucket's size on the parameters' device."""
@@ -313,14 +327,12 @@ class ZeroCopyStorage(DeviceStorage):
                  if p.data_ptr() != view.data_ptr()]
         for p, view in moved:
             if (p.dtype, p.shape, p.device) != (view.dtype, view.shape, view.device):
-                raise RuntimeError(
-                    f"zero_copy: a parameter of shape {tuple(view.shape)} is now "
-                    f"{p.dtype} {tuple(p.shape)} on {p.device}, not the {view.dtype} on "
-                    f"{view.device} it was at registration (the model was moved or cast, "
-                    "e.g. model.to(torch.float64) or .half()); the rounds cannot reach it. "
-                    "Change the model before registering, or handle.remove() and register "
-                    "again after the change")
+                raise RuntimeError("zero_copy: " + _changed_parameter(
+                    p, view.shape, view.dtype, view.device))
         return moved
+
+    def check_parameters(self) -> None:
+        self._moved()
 
     def buffer(self) -> torch.Tensor:
         if self.in_place:
@@ -362,6 +374,17 @@ class ZeroCopyStorage(DeviceStorage):
         yield from (("scratch", t) for t in (self._copy, self._work) if t is not None)
         if self.anchor is not None:
             yield "anchors", self.anchor
+
+
+def _changed_parameter(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                      device: torch.device) -> str:
+    """What to tell a user whose parameter ``p`` is no longer the ``dtype`` ``shape`` on
+    ``device`` it was at registration."""
+    return (f"a parameter of shape {tuple(shape)} is now {p.dtype} {tuple(p.shape)} on "
+            f"{p.device}, not the {dtype} on {device} it was at registration (the model "
+            "was moved or cast, e.g. model.to(torch.float64) or .half()); the rounds "
+            "cannot average it as it is now. Change the model before registering, or "
+            "handle.remove() and register again after the change")
 
 
 def _decides_on_host(device: torch.device) -> bool:

@@ -466,3 +466,53 @@ def test_the_comm_hook_follows_a_handle_registered_again_after_remove():
     for synced, rounds in run_ranks(_rank_register_again, 2, timeout_s=60):
         assert synced == [True, False, False, True, True, True, False, False, True]
         assert rounds == 1  # at the third step of the second registration (warm-up 2)
+
+
+# --- a model cast or moved after registration ---------------------------------------------
+def _rank_cast(rank, world_size, offload):
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    ddp = DDP(model)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         offload_state=offload, average_buffers=True)
+    model.double()  # DDP's own buckets do not follow either
+    with torch.no_grad():
+        for t in (*model.parameters(), *model.buffers()):
+            if t.is_floating_point():
+                t.add_(1 / 3)  # not a float32 number
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    out = {}
+    try:
+        handle.average()
+        out["refused"] = None
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    out["unchanged"] = all(torch.equal(a, b) for a, b in
+                           zip(before, model.state_dict().values()))
+    out["rounds"] = handle.stats.rounds
+    handle.remove()
+    handle = dah.register_averaging_hook(DDP(model), dah.hooks.allreduce_hook, None, period=2,
+                                         offload_state=offload, average_buffers=True)
+    handle.average()  # registered again: rounds in float64
+    out["before"], out["after"] = before, list(model.state_dict().values())
+    return out
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offloaded"])
+def test_a_model_cast_after_registration_is_refused_until_registered_again(offload):
+    # the default storage keeps a bucket's dtype: without the check the rounds of a model
+    # cast to float64 ran in float32, silently; now every rank refuses with the fix,
+    # nothing changed, and a registration after the cast averages in float64 (checked
+    # against the mean of the ranks' values computed here)
+    outs = run_ranks(_rank_cast, 2, 90.0, 20.0, offload=offload)
+    for out in outs:
+        assert out["refused"] is not None, "a round ran on a cast model"
+        assert "torch.float64" in out["refused"] and "register again" in out["refused"]
+        assert out["unchanged"] and out["rounds"] == 0
+    for i, (a, b) in enumerate(zip(outs[0]["before"], outs[1]["before"])):
+        if not a.is_floating_point():
+            continue
+        assert a.dtype == torch.float64
+        mean = (a + b) / 2
+        for out in outs:
+            assert torch.equal(out["after"][i], mean), i
