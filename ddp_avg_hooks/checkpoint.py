@@ -328,7 +328,12 @@ class RoundCheckpointer(Joinable):
         return True
 
     def save(self) -> Path:
-        """Save this rank's state as round ``handle.stats.rounds`` (collective: prunes after)."""
+        """Save this rank's state as round ``handle.stats.rounds`` (collective: prunes after).
+
+        A failure on any rank's disk raises :class:`CheckpointError` on every rank,
+        naming the rank and its error, with no round pruned; the ranks stay in step, so
+        training can go on and a later save can succeed.
+        """
         if self.handle.in_join != self._join_config.enable:
             raise RuntimeError(
                 f"RoundCheckpointer({str(self.directory)!r}).save() inside Join: pass both the "
@@ -355,19 +360,42 @@ class RoundCheckpointer(Joinable):
             "rng": _rng_state(),
             "own_model": own_model,
         }
-        folder.mkdir(parents=True, exist_ok=True)
         session = self._agreed_session()
-        written = {name: _write_aside(obj, folder / name) for name, obj in contents.items()}
+        # A rank's disk can fail where the others' do not (full, read-only, a directory
+        # where a file goes): each phase's failure is shared before the next collective,
+        # so every rank raises instead of waiting for the failed one.
+        written, problem = {}, None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, obj in contents.items():
+                written[name] = _write_aside(obj, folder / name)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        try:
+            self._all_ok(problem, f"saving round {rounds} failed, so no rank's files of "
+                         "it were replaced and the rounds saved before are kept")
+        except CheckpointError:
+            self._discard_aside(folder, contents)
+            raise
         # Saving a round again replaces its files: the marker of the earlier save must
         # not vouch for them, so it goes first, and the written files replace the old
         # ones only then (renames; a kill between loses this round's marker only).
-        (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
-        for name, (tmp, _) in written.items():
-            os.replace(tmp, folder / name)
-        self._files = {name: digest for name, (_, digest) in written.items()}
-        self._mark_completed(folder, session)
-        self._prune()
+        try:
+            (folder / f"rank{self.rank}.done").unlink(missing_ok=True)
+            for name, (tmp, _) in written.items():
+                os.replace(tmp, folder / name)
+            self._files = {name: digest for name, (_, digest) in written.items()}
+            self._mark_completed(folder, session)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        self._prune(problem, rounds)
         return folder
+
+    def _discard_aside(self, folder: Path, contents: dict) -> None:
+        """Remove what a failed save wrote beside its files, and its folder if empty."""
+        for path in [*(folder / f"{name}.tmp" for name in contents), folder]:
+            with contextlib.suppress(OSError):  # absent, or not ours (a directory there)
+                path.unlink() if path.name.endswith(".tmp") else path.rmdir()
 
     def _mark_completed(self, folder: Path, session: str) -> None:
         """Write this rank's marker: its files in ``folder`` are complete (and their checksums).
@@ -397,10 +425,20 @@ class RoundCheckpointer(Joinable):
                 f"{held[-1]} of another run; call restore() first to resume it, or save "
                 "into an empty folder (nothing was written)")
 
-    def _prune(self) -> None:
+    def _prune(self, problem: str | None, rounds: int) -> None:
         """Remove this rank's files of rounds older than the newest common one, but the
-        ``keep`` newest common; completed or not (an interrupted save leaves files)."""
-        common = self._common_rounds(self._gather_markers(self._markers()))
+        ``keep`` newest common; completed or not (an interrupted save leaves files).
+
+        ``problem``: what failed as this rank marked round ``rounds`` complete; if any
+        rank's did, every rank raises :class:`CheckpointError` and removes nothing."""
+        gathered = self._gather((problem, self._marker_summary(self._markers())))
+        problems = [(r, p) for r, (p, _) in enumerate(gathered) if p]
+        if problems:
+            raise CheckpointError(
+                f"RoundCheckpointer({str(self.directory)!r}): marking round {rounds} "
+                "complete failed, so it is not resumed and the rounds saved before are "
+                "kept: " + "; ".join(f"rank {r}: {p}" for r, p in problems))
+        common = self._common_rounds([markers for _, markers in gathered])
         keep = set(common[-self.keep:])
         newest_common = common[-1] if common else -1
         for folder in self.directory.glob(f"{_PREFIX}*"):
@@ -443,11 +481,16 @@ class RoundCheckpointer(Joinable):
         return out
 
     def _gather_markers(self, markers: dict[int, dict | str]) -> list[dict[int, tuple | str]]:
-        """Per rank, round -> ``(session, world size)`` of its marker, or what is wrong
-        with a damaged one, from each rank's :meth:`_markers` (collective unless world
-        size 1)."""
-        return self._gather({r: (m["session"], m.get("world_size")) if isinstance(m, dict) else m
-                             for r, m in markers.items()})
+        """Per rank, :meth:`_marker_summary` of its :meth:`_markers` (collective unless
+        world size 1)."""
+        return self._gather(self._marker_summary(markers))
+
+    @staticmethod
+    def _marker_summary(markers: dict[int, dict | str]) -> dict[int, tuple | str]:
+        """Round -> ``(session, world size)`` of its marker, or what is wrong with a
+        damaged one."""
+        return {r: (m["session"], m.get("world_size")) if isinstance(m, dict) else m
+                for r, m in markers.items()}
 
     @staticmethod
     def _common_rounds(gathered: list[dict]) -> list[int]:

@@ -260,3 +260,56 @@ def test_a_scheduler_that_is_not_one_is_refused_at_construction(tmp_path, world1
         RoundCheckpointer(None, handle, ddp.module, opt)
     assert not any(tmp_path.iterdir())
     handle.remove()
+
+
+def _rank_disk_fails(rank, world_size, ckpt_dir):
+    # rank 1's disk refuses one save's files, then one save's marker (a directory where
+    # the file goes): every rank raises, the rounds saved before stay, and training and
+    # saving go on once the obstacle is gone
+    from pathlib import Path
+
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         optimizer=opt)
+    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
+    out, step = {"errors": [], "digests": []}, 0
+    for obstacle in (None, "rank1.pt.tmp", "rank1.done.tmp", None):
+        for _ in range(2):  # one round
+            train_step(ddp, opt, rank, step)
+            step += 1
+        blocked = Path(ckpt_dir) / f"round-{handle.stats.rounds:08d}" / str(obstacle)
+        if obstacle and rank == 1:
+            blocked.mkdir(parents=True)
+        torch.distributed.barrier()
+        before = _digests(Path(ckpt_dir)) if obstacle else None
+        torch.distributed.barrier()  # neither rank writes before both have looked
+        try:
+            ckpt.save()
+            out["errors"].append(None)
+        except dah.errors.CheckpointError as exc:
+            out["errors"].append(str(exc))
+        out["completed"] = ckpt.completed_rounds()
+        if obstacle:
+            after = _digests(Path(ckpt_dir))
+            out["digests"].append({k: v for k, v in after.items() if k in before} == before)
+            if rank == 1:
+                blocked.rmdir()
+        torch.distributed.barrier()
+    out["restored"] = ckpt.restore()
+    handle.remove()
+    return out
+
+
+def test_one_ranks_failed_save_raises_on_every_rank_and_keeps_the_rounds(tmp_path):
+    # before the fix the other rank waited in the next collective for the failed one
+    outs = run_ranks(_rank_disk_fails, 2, timeout_s=90, pg_timeout_s=20, ckpt_dir=str(tmp_path))
+    for out in outs:
+        first, files, marker, last = out["errors"]
+        assert files and "saving round 2" in files and "rank 1: IsADirectoryError" in files
+        assert marker and "marking round 3" in marker and "rank 1: IsADirectoryError" in marker
+        assert "kept" in files and "kept" in marker and "rank 0" not in files + marker
+        assert first is None and last is None and out["digests"] == [True, True]
+        assert out["completed"] == [1, 4] and out["restored"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-00000001", "round-00000004"]
