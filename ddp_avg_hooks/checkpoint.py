@@ -31,7 +31,14 @@ What it guarantees:
   rather than start over and overwrite it; saving into such a folder without
   :meth:`RoundCheckpointer.restore` is refused the same way. A save prunes old rounds
   only once its own files are on disk and verified, and keeps the ``keep`` newest rounds
-  every rank completed.
+  every rank completed. A save that fails on any rank's disk raises
+  :class:`~ddp_avg_hooks.errors.CheckpointError` on every rank, pruning nothing.
+* **One writer per folder.** A run that restores from a folder, or first saves into it,
+  becomes its writer (``rank{r}.writer`` beside the rounds' folders holds its session).
+  A run started earlier on the same folder (two jobs by mistake, or a job still alive
+  when its replacement resumed) finds this at its next save and raises
+  :class:`~ddp_avg_hooks.errors.CheckpointError` on every rank, writing nothing, instead
+  of the two replacing and pruning each other's rounds. The newer run saves on.
 
 What is saved, per rank, and why (folder ``round-NNNNNNNN/``):
 
@@ -109,31 +116,33 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_aside(obj, path: Path) -> tuple[Path, str]:
-    """Write ``obj`` next to ``path`` (``path`` itself untouched), synced; the file
-    written and its SHA-256, for ``os.replace(file, path)``."""
-    tmp = path.with_name(path.name + ".tmp")
+def _aside(path: Path) -> Path:
+    """A temporary name next to ``path``, unique to this write: two writers of one name
+    (two jobs in one folder by mistake) never take each other's file."""
+    return path.with_name(f"{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+
+
+def _write_aside(obj, tmp: Path) -> str:
+    """Write ``obj`` to ``tmp`` (from :func:`_aside`), synced; its SHA-256, for
+    ``os.replace(tmp, path)``."""
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
-    return tmp, _sha256(tmp)
-
-
-def _atomic_save(obj, path: Path) -> str:
-    """Write ``obj`` to ``path`` atomically; the SHA-256 of what is on disk."""
-    tmp, digest = _write_aside(obj, path)
-    os.replace(tmp, path)
-    return digest
+    return _sha256(tmp)
 
 
 def _atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = _aside(path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _class_name(obj) -> str:
@@ -262,6 +271,7 @@ class RoundCheckpointer(Joinable):
         self._saved_at = handle.rounds_started
         self._session: str | None = None  # agreed by the ranks at restore() or the first save
         self._checked_folder = False  # restore() ran, or the first save checked the folder
+        self._claimed = False  # this run's session is the folder's writer (see _claim)
 
     # --- collectives --------------------------------------------------------------------
     def _world(self) -> int:
@@ -364,18 +374,20 @@ class RoundCheckpointer(Joinable):
         # A rank's disk can fail where the others' do not (full, read-only, a directory
         # where a file goes): each phase's failure is shared before the next collective,
         # so every rank raises instead of waiting for the failed one.
+        aside = {name: _aside(folder / name) for name in contents}
         written, problem = {}, None
         try:
+            self._check_writer()
             folder.mkdir(parents=True, exist_ok=True)
             for name, obj in contents.items():
-                written[name] = _write_aside(obj, folder / name)
+                written[name] = (aside[name], _write_aside(obj, aside[name]))
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
         try:
             self._all_ok(problem, f"saving round {rounds} failed, so no rank's files of "
                          "it were replaced and the rounds saved before are kept")
         except CheckpointError:
-            self._discard_aside(folder, contents)
+            self._discard(folder, aside.values())
             raise
         # Saving a round again replaces its files: the marker of the earlier save must
         # not vouch for them, so it goes first, and the written files replace the old
@@ -391,11 +403,49 @@ class RoundCheckpointer(Joinable):
         self._prune(problem, rounds)
         return folder
 
-    def _discard_aside(self, folder: Path, contents: dict) -> None:
-        """Remove what a failed save wrote beside its files, and its folder if empty."""
-        for path in [*(folder / f"{name}.tmp" for name in contents), folder]:
-            with contextlib.suppress(OSError):  # absent, or not ours (a directory there)
-                path.unlink() if path.name.endswith(".tmp") else path.rmdir()
+    @staticmethod
+    def _discard(folder: Path, aside) -> None:
+        """Remove what a failed save wrote beside its files (``aside``), and ``folder``
+        if that leaves it empty."""
+        for tmp in aside:
+            with contextlib.suppress(OSError):  # never written, or not a file
+                tmp.unlink()
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+    # --- one writer per folder ------------------------------------------------------------
+    def _writer_file(self) -> Path:
+        return self.directory / f"rank{self.rank}.writer"
+
+    def _claim(self) -> None:
+        """Record this run's session as the folder's writer (this rank's file): a run
+        saving into the folder since before finds it at its next save and stops."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(self._session + "\n", self._writer_file())
+        self._claimed = True
+
+    def _try_to_claim(self) -> None:
+        """:meth:`_claim` after a restore; a folder this rank cannot write (read-only) is
+        claimed by the first save, or that save fails as any would."""
+        with contextlib.suppress(OSError):
+            self._claim()
+
+    def _check_writer(self) -> None:
+        """Claim the folder at this run's first save; at the others raise
+        :class:`CheckpointError` if another run has claimed it since (two jobs saving into
+        one folder: each would prune and replace the other's rounds)."""
+        if not self._claimed:
+            return self._claim()
+        try:
+            writer = self._writer_file().read_text().strip()
+        except FileNotFoundError:
+            return self._claim()  # removed by hand: nobody else claims it
+        if writer != self._session:
+            raise CheckpointError(
+                f"another run (session {writer[:8]}) restored or saved in "
+                f"{str(self.directory)!r} after this one (session {self._session[:8]}) "
+                "began, and saves there now; this run saves no more rounds into it. Give "
+                "each job its own folder, or stop the other job")
 
     def _mark_completed(self, folder: Path, session: str) -> None:
         """Write this rank's marker: its files in ``folder`` are complete (and their checksums).
@@ -532,8 +582,9 @@ class RoundCheckpointer(Joinable):
         """Load the newest round every rank completed and verified (collective).
 
         Returns its number, or ``None`` when no round was completed by every rank (a
-        fresh start). Raises :class:`~ddp_avg_hooks.errors.CheckpointError` on every
-        rank, loading nothing, when the folder cannot be resumed (see the module).
+        fresh start), and makes this run the folder's writer (see the module). Raises
+        :class:`~ddp_avg_hooks.errors.CheckpointError` on every rank, loading and writing
+        nothing, when the folder cannot be resumed.
         """
         self._checked_folder = True
         markers = self._markers()
@@ -567,6 +618,7 @@ class RoundCheckpointer(Joinable):
             problems = [f"rank {r}: {p}" for r, p in enumerate(self._gather(problem)) if p]
             if not problems:
                 self._load(rounds, *read)
+                self._try_to_claim()
                 if damaged:
                     warnings.warn(f"RoundCheckpointer: resumed round {rounds} instead of a newer "
                                   f"one: {'; '.join(damaged)}", stacklevel=2)
@@ -581,6 +633,7 @@ class RoundCheckpointer(Joinable):
                 f"can be verified and read ({'; '.join(damaged)}); refusing to start over in a "
                 "folder that holds them: repair the files or start in another folder (nothing "
                 "was loaded)")
+        self._try_to_claim()
         return None
 
     def _read(self, rounds: int):

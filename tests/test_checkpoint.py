@@ -86,7 +86,7 @@ def test_a_round_one_rank_did_not_finish_saving_is_not_used(tmp_path, how):
     # the resumed run saved round 3 again (both markers of the new session) and pruned
     # the leftovers of rounds older than the newest two it kept
     assert resumed[0]["completed"] == resumed[1]["completed"] == [3, 4]
-    kept = sorted(p.name for p in (tmp_path / "b").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "b").glob("round-*"))
     assert kept == ["round-00000003", "round-00000004"]
 
 

@@ -67,7 +67,7 @@ def straight(tmp_path_factory):
 
 def _stopped(tmp_path, world=2):
     run_ranks(_rank, world, timeout_s=90, ckpt_dir=str(tmp_path), stop_at=10)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-00000002", "round-00000003"]
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-00000002", "round-00000003"]
 
 
 @pytest.mark.parametrize("damaged", ["rank1.pt", "model.pt", "rank1.done"])
@@ -263,10 +263,13 @@ def test_a_scheduler_that_is_not_one_is_refused_at_construction(tmp_path, world1
 
 
 def _rank_disk_fails(rank, world_size, ckpt_dir):
-    # rank 1's disk refuses one save's files, then one save's marker (a directory where
-    # the file goes): every rank raises, the rounds saved before stay, and training and
-    # saving go on once the obstacle is gone
+    # rank 1's disk is full for one save's files, then a directory stands where one
+    # save's marker goes: every rank raises, the rounds saved before stay, and training
+    # and saving go on once the fault is gone
+    import errno
     from pathlib import Path
+
+    import ddp_avg_hooks.checkpoint as checkpoint
 
     model = make_model()
     ddp = DDP(model)
@@ -274,16 +277,24 @@ def _rank_disk_fails(rank, world_size, ckpt_dir):
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
                                          optimizer=opt)
     ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
+    write_aside = checkpoint._write_aside
+
+    def disk_full(obj, tmp):
+        write_aside(obj, tmp)  # part of it reached the disk
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
+
     out, step = {"errors": [], "digests": []}, 0
-    for obstacle in (None, "rank1.pt.tmp", "rank1.done.tmp", None):
+    for fault in (None, "disk full", "rank1.done", None):
         for _ in range(2):  # one round
             train_step(ddp, opt, rank, step)
             step += 1
-        blocked = Path(ckpt_dir) / f"round-{handle.stats.rounds:08d}" / str(obstacle)
-        if obstacle and rank == 1:
+        blocked = Path(ckpt_dir) / f"round-{handle.stats.rounds:08d}" / str(fault)
+        if rank == 1 and fault == "disk full":
+            checkpoint._write_aside = disk_full
+        elif rank == 1 and fault:
             blocked.mkdir(parents=True)
         torch.distributed.barrier()
-        before = _digests(Path(ckpt_dir)) if obstacle else None
+        before = _digests(Path(ckpt_dir)) if fault else None
         torch.distributed.barrier()  # neither rank writes before both have looked
         try:
             ckpt.save()
@@ -291,10 +302,13 @@ def _rank_disk_fails(rank, world_size, ckpt_dir):
         except dah.errors.CheckpointError as exc:
             out["errors"].append(str(exc))
         out["completed"] = ckpt.completed_rounds()
-        if obstacle:
+        torch.distributed.barrier()  # both ranks have cleaned up
+        if fault:
             after = _digests(Path(ckpt_dir))
-            out["digests"].append({k: v for k, v in after.items() if k in before} == before)
-            if rank == 1:
+            out["digests"].append(after == before if fault == "disk full" else
+                                  {k: v for k, v in after.items() if k in before} == before)
+            checkpoint._write_aside = write_aside
+            if rank == 1 and fault != "disk full":
                 blocked.rmdir()
         torch.distributed.barrier()
     out["restored"] = ckpt.restore()
@@ -307,9 +321,91 @@ def test_one_ranks_failed_save_raises_on_every_rank_and_keeps_the_rounds(tmp_pat
     outs = run_ranks(_rank_disk_fails, 2, timeout_s=90, pg_timeout_s=20, ckpt_dir=str(tmp_path))
     for out in outs:
         first, files, marker, last = out["errors"]
-        assert files and "saving round 2" in files and "rank 1: IsADirectoryError" in files
+        assert files and "saving round 2" in files and "rank 1: OSError" in files
+        assert "No space left" in files
         assert marker and "marking round 3" in marker and "rank 1: IsADirectoryError" in marker
         assert "kept" in files and "kept" in marker and "rank 0" not in files + marker
         assert first is None and last is None and out["digests"] == [True, True]
         assert out["completed"] == [1, 4] and out["restored"] == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-00000001", "round-00000004"]
+    assert sorted(p.name for p in tmp_path.glob("round-*")) == ["round-00000001", "round-00000004"]
+
+
+def _signal(folder, name) -> None:
+    with open(os.path.join(folder, name), "w"):
+        pass
+
+
+def _wait_for(folder, name, timeout_s=60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(os.path.join(folder, name)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {name} after {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _rank_one_of_two_jobs(rank, world_size, ckpt_dir, signals, job):
+    # two jobs of 2 ranks each, started by mistake on one folder, in turns: the first
+    # saves rounds 1 and 2; the second resumes round 2 (and so becomes the folder's
+    # writer); the first's next save is refused on both its ranks; the second saves on
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
+                                         optimizer=opt)
+    ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
+    out = {"errors": []}
+
+    def one_round(step):
+        for s in (step, step + 1):
+            train_step(ddp, opt, rank, s)
+        try:
+            ckpt.save()
+            out["errors"].append(None)
+        except dah.errors.CheckpointError as exc:
+            out["errors"].append(str(exc))
+
+    def then(name):  # rank 0 tells the other job, once both ranks are there
+        torch.distributed.barrier()
+        if rank == 0:
+            _signal(signals, name)
+
+    if job == "first":
+        ckpt.restore()
+        one_round(0), one_round(2)
+        then("first saved")
+        _wait_for(signals, "second restored")
+        one_round(4)
+        then("first done")
+    else:
+        _wait_for(signals, "first saved")
+        out["restored"] = ckpt.restore()
+        then("second restored")
+        _wait_for(signals, "first done")
+        one_round(4), one_round(6)
+        out["completed"] = ckpt.completed_rounds()
+    out["params"] = flat(model)
+    handle.remove()
+    return out
+
+
+def test_a_second_job_on_the_same_folder_stops_the_first_from_saving(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder, signals = tmp_path / "ckpt", tmp_path / "signals"
+    signals.mkdir()
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(run_ranks, _rank_one_of_two_jobs, 2, timeout_s=120, pg_timeout_s=20,
+                            ckpt_dir=str(folder), signals=str(signals), job=job)
+                for job in ("first", "second")]
+        first, second = (job.result() for job in jobs)
+    for out in first:
+        assert out["errors"][:2] == [None, None]
+        refused = out["errors"][2]
+        assert refused and "another run" in refused and "its own folder" in refused, refused
+    for out in second:
+        assert out["restored"] == 2 and out["errors"] == [None, None]
+        assert out["completed"] == [3, 4]
+    assert torch.equal(second[0]["params"], second[1]["params"])
+    assert sorted(p.name for p in folder.glob("round-*")) == ["round-00000003", "round-00000004"]
