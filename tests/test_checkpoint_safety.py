@@ -231,13 +231,19 @@ def test_what_the_library_writes_loads_with_weights_only(tmp_path):
     assert os.path.exists(tmp_path / "round-00000003" / "model.pt")
 
 
-def test_a_save_that_fails_changes_no_round_on_disk(tmp_path, world1):
-    # the end of a training loop in the wrong order: remove() before the last save()
+def _exact_every_two_steps():
+    """A DDP model, SGD and exact rounds every 2 steps: ``(model, ddp, opt, handle)``."""
     model = make_model()
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
                                          optimizer=opt)
+    return model, ddp, opt, handle
+
+
+def test_a_save_that_fails_changes_no_round_on_disk(tmp_path, world1):
+    # the end of a training loop in the wrong order: remove() before the last save()
+    model, ddp, opt, handle = _exact_every_two_steps()
     ckpt = RoundCheckpointer(tmp_path, handle, model, opt, keep=2)
     for step in range(6):
         train_step(ddp, opt, 0, step)
@@ -271,11 +277,7 @@ def _rank_disk_fails(rank, world_size, ckpt_dir):
 
     import ddp_avg_hooks.checkpoint as checkpoint
 
-    model = make_model()
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
-                                         optimizer=opt)
+    model, ddp, opt, handle = _exact_every_two_steps()
     ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
     write_aside = checkpoint._write_aside
 
@@ -349,11 +351,7 @@ def _rank_one_of_two_jobs(rank, world_size, ckpt_dir, signals, job):
     # two jobs of 2 ranks each, started by mistake on one folder, in turns: the first
     # saves rounds 1 and 2; the second resumes round 2 (and so becomes the folder's
     # writer); the first's next save is refused on both its ranks; the second saves on
-    model = make_model()
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    handle = dah.register_averaging_hook(ddp, dah.hooks.allreduce_hook, None, period=2,
-                                         optimizer=opt)
+    model, ddp, opt, handle = _exact_every_two_steps()
     ckpt = RoundCheckpointer(ckpt_dir, handle, model, opt, keep=2)
     out = {"errors": []}
 
