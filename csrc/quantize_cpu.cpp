@@ -53,13 +53,14 @@ struct Layout {
 
 bool make_layout(int bits, int64_t block, int64_t pieces, int64_t piece_elems,
                  int64_t piece_bytes, Layout* out) {
-  if ((bits != 8 && bits != 4) || block < 2 || block % 2 || pieces < 1 || piece_elems < 0 ||
-      piece_elems % block)
+  // a block's codes fill whole bytes: 2-bit codes need a multiple of 4 values
+  if ((bits != 8 && bits != 4 && bits != 2) || block < 2 || block % (bits == 2 ? 4 : 2) ||
+      pieces < 1 || piece_elems < 0 || piece_elems % block)
     return false;
   const int64_t blocks = piece_elems / block;
   const int64_t code_bytes = (piece_elems * bits / 8 + 3) / 4 * 4;
   if (piece_bytes != 4 * blocks + code_bytes) return false;
-  const int q = bits == 8 ? 127 : 7;
+  const int q = bits == 8 ? 127 : (bits == 4 ? 7 : 3);
   // like Tensor.mul(python_float) on float32: the constant 1 / Q is rounded to float
   *out = Layout{bits, block, pieces, piece_elems, piece_bytes, blocks, static_cast<float>(q),
                 static_cast<float>(1.0 / q)};
@@ -206,10 +207,34 @@ DAH_AVX2 int64_t dequant_sum_avx2(const Layout& L, const uint8_t* packed, int64_
 }
 #endif  // DAH_Q_AVX2
 
-inline int code_at(const Layout& L, const uint8_t* codes, int64_t j) {
-  if (L.bits == 8) return static_cast<int8_t>(codes[j]);
+// The level of element j of a block's codes: an integer, or for 2-bit codes one of
+// -1.5, -0.5, 0.5, 1.5 (exact in float).
+inline float code_at(const Layout& L, const uint8_t* codes, int64_t j) {
+  if (L.bits == 8) return static_cast<float>(static_cast<int8_t>(codes[j]));
+  if (L.bits == 2) return static_cast<float>((codes[j / 4] >> (2 * (j % 4))) & 3) - 1.5f;
   const uint8_t byte = codes[j / 2];
-  return ((j % 2) ? (byte >> 4) : (byte & 15)) - 8;
+  return static_cast<float>(((j % 2) ? (byte >> 4) : (byte & 15)) - 8);
+}
+
+// One block of 2-bit codes: q = clamp(floor(v / divisor) + 0.5, -1.5, 1.5), -1.5 under a
+// nan scale (a block holding nan or inf, whose scale is made nan: no level decodes to 0).
+void quant_block_2bit(const float* x, const float* e, float* e_out, int64_t valid, int64_t block,
+                      float scale, uint8_t* codes) {
+  const float divisor = scale == 0.0f ? 1.0f : scale;
+  const bool finite = !std::isnan(scale);
+  for (int64_t j = 0; j < block; ++j) {
+    float c = 0.5f;  // past the inputs' end: v = 0
+    if (j < valid) {
+      const float v = e == nullptr ? x[j] : x[j] + e[j];
+      c = finite ? std::min(std::max(std::floor(v / divisor) + 0.5f, -1.5f), 1.5f) : -1.5f;
+      if (e_out != nullptr) e_out[j] = v - c * scale;
+    } else if (!finite) {
+      c = -1.5f;
+    }
+    const int code = static_cast<int>(c + 1.5f);
+    if (j % 4 == 0) codes[j / 4] = 0;
+    codes[j / 4] = static_cast<uint8_t>(codes[j / 4] | (code << (2 * (j % 4))));
+  }
 }
 
 // One block: values x[0..valid) (+ e), zeros up to L.block.
@@ -221,7 +246,13 @@ void quant_block(const Layout& L, const float* x, const float* e, float* e_out, 
   if (kAvx2) j = absmax_avx2(x, e, valid, &amax);
 #endif
   for (; j < valid; ++j) amax = nan_max(amax, std::fabs(e == nullptr ? x[j] : x[j] + e[j]));
-  const float scale = amax * L.inv_qmax;
+  float scale = amax * L.inv_qmax;
+  if (L.bits == 2) {
+    if (std::isinf(scale)) scale = std::numeric_limits<float>::quiet_NaN();
+    std::memcpy(scale_out, &scale, sizeof scale);
+    quant_block_2bit(x, e, e_out, valid, L.block, scale, codes);
+    return;
+  }
   const float divisor = scale == 0.0f ? 1.0f : scale;
   // a block holding nan or inf: codes 0 under its nan / inf scale, so every value of
   // the block decodes to nan (0 * scale) and the residual holds nan too
@@ -298,13 +329,13 @@ int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t p
       int64_t j = 0;
       if (sum_pieces) {
 #ifdef DAH_Q_AVX2
-        if (kAvx2) j = dequant_sum_avx2(L, packed, k, o, n);
+        if (kAvx2 && bits != 2) j = dequant_sum_avx2(L, packed, k, o, n);
 #endif
         for (; j < n; ++j) {
           float acc = 0.0f;
           for (int64_t p = 0; p < pieces; ++p) {
             const uint8_t* codes = packed + L.codes_offset(p) + k * block * bits / 8;
-            const float d = static_cast<float>(code_at(L, codes, j)) * L.scales(packed, p)[k];
+            const float d = code_at(L, codes, j) * L.scales(packed, p)[k];
             acc = p == 0 ? d : acc + d;
           }
           o[j] = acc;
@@ -315,10 +346,10 @@ int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t p
         const float s = L.scales(packed, p)[b];
         const float* bs = base == nullptr ? nullptr : base + g0;
 #ifdef DAH_Q_AVX2
-        if (kAvx2) j = dequant_cat_avx2(L, codes, s, bs, o, n);
+        if (kAvx2 && bits != 2) j = dequant_cat_avx2(L, codes, s, bs, o, n);
 #endif
         for (; j < n; ++j) {
-          const float d = static_cast<float>(code_at(L, codes, j)) * s;
+          const float d = code_at(L, codes, j) * s;
           o[j] = bs == nullptr ? d : bs[j] - d;
         }
       }

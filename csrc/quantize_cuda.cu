@@ -27,12 +27,13 @@ struct QLayout {
 
 bool make_layout(int bits, int64_t block, int64_t pieces, int64_t piece_elems,
                  int64_t piece_bytes, QLayout* out) {
-  if ((bits != 8 && bits != 4) || block < 2 || block % 2 || pieces < 1 || piece_elems < 0 ||
+  if ((bits != 8 && bits != 4 && bits != 2) || block < 2 || block % (bits == 2 ? 4 : 2) ||
+      pieces < 1 || piece_elems < 0 ||
       piece_elems % block)
     return false;
   const int64_t blocks = piece_elems / block;
   if (piece_bytes != 4 * blocks + (piece_elems * bits / 8 + 3) / 4 * 4) return false;
-  const int q = bits == 8 ? 127 : 7;
+  const int q = bits == 8 ? 127 : (bits == 4 ? 7 : 3);
   *out = QLayout{bits, block, pieces, piece_elems, piece_bytes, blocks, static_cast<float>(q),
                  static_cast<float>(1.0 / q)};
   return true;
@@ -55,6 +56,13 @@ __device__ __forceinline__ float quant_one(const QLayout& L, float v, float divi
   return fminf(fmaxf(c, -L.qmax), L.qmax);
 }
 
+// a 2-bit level: clamp(floor(v / divisor) + 0.5, -1.5, 1.5); -1.5 under a nan scale (a
+// block holding nan or inf, whose scale is made nan: no level decodes to 0)
+__device__ __forceinline__ float quant_2bit(float v, float divisor, bool finite) {
+  if (!finite) return -1.5f;
+  return fminf(fmaxf(__fadd_rn(floorf(__fdiv_rn(v, divisor)), 0.5f), -1.5f), 1.5f);
+}
+
 // max(r, a) that keeps a nan, like torch.amax (fmaxf drops it)
 __device__ __forceinline__ float nan_max(float r, float a) {
   return (a > r || isnan(a)) ? a : r;
@@ -75,7 +83,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t j = lane; j < valid; j += 32) amax = nan_max(amax, fabsf(value(x, e_in, g0 + j)));
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = __fmul_rn(amax, L.inv_qmax);
+    float scale = __fmul_rn(amax, L.inv_qmax);
+    if (L.bits == 2 && isinf(scale)) scale = __int_as_float(0x7fc00000);  // nan
     const float divisor = scale == 0.0f ? 1.0f : scale;
     const bool finite = isfinite(scale);
     if (lane == 0) reinterpret_cast<float*>(packed + p * L.piece_bytes)[b] = scale;
@@ -89,6 +98,19 @@ __global__ void __launch_bounds__(kThreads)
           if (e_out != nullptr) e_out[g0 + j] = __fsub_rn(v, __fmul_rn(c, scale));
         }
         codes[j] = static_cast<uint8_t>(static_cast<int8_t>(static_cast<int>(c)));
+      }
+    } else if (L.bits == 2) {
+      for (int64_t j = 4 * lane; j < L.block; j += 128) {  // four values, one byte
+        int byte = 0;
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const float v = j + h < valid ? value(x, e_in, g0 + j + h) : 0.0f;
+          const float c = quant_2bit(v, divisor, finite);
+          if (j + h < valid && e_out != nullptr)
+            e_out[g0 + j + h] = __fsub_rn(v, __fmul_rn(c, scale));
+          byte |= static_cast<int>(__fadd_rn(c, 1.5f)) << (2 * h);
+        }
+        codes[j / 4] = static_cast<uint8_t>(byte);
       }
     } else {
       for (int64_t j = 2 * lane; j < L.block; j += 64) {  // two values, one byte
@@ -114,14 +136,16 @@ __device__ __forceinline__ float dequant_one(const QLayout& L, const uint8_t* pa
   const int64_t b = local / L.block;
   const float s = reinterpret_cast<const float*>(packed + p * L.piece_bytes)[b];
   const uint8_t* codes = packed + codes_offset(L, p);
-  int q;
+  float q;
   if (L.bits == 8) {
-    q = static_cast<int8_t>(codes[local]);
+    q = static_cast<float>(static_cast<int8_t>(codes[local]));
+  } else if (L.bits == 2) {
+    q = static_cast<float>((codes[local / 4] >> (2 * (local % 4))) & 3) - 1.5f;
   } else {
     const uint8_t byte = codes[local / 2];
-    q = ((local % 2) ? (byte >> 4) : (byte & 15)) - 8;
+    q = static_cast<float>(((local % 2) ? (byte >> 4) : (byte & 15)) - 8);
   }
-  return __fmul_rn(static_cast<float>(q), s);
+  return __fmul_rn(q, s);
 }
 
 __global__ void __launch_bounds__(kThreads)

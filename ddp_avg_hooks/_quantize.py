@@ -16,11 +16,22 @@ or float64 when the inputs are float64; scales are float32 either way)::
     residual_out = v - D                      # what the rounding lost
 
 int8 codes are ``q`` as ``int8``; int4 codes are ``q + 8`` (1..15) in 4 bits, element
-``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in the high one. Dequantization
-reads ``D = q * scale`` back; summing pieces adds them in piece order, the first term
-taken as it is. Values past the inputs' end (up to the payload's size) count as zeros.
-A block holding nan (or inf) has a nan (or inf) scale, so all of its values decode to
-nan: a non-finite value is never lost in a round, and ``check_finite`` sees it.
+``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in the high one.
+
+2-bit codes have no zero: four levels ``q`` in ``{-1.5, -0.5, 0.5, 1.5}``, with ``Q = 3``
+(the levels' step is a third of the block's maximum, so values beyond ``2 * scale`` are
+clipped to ``1.5 * scale`` and error feedback carries the rest)::
+
+    scale = float32(max|v| * (1 / 3)), made nan where it is inf (a block holding inf)
+    q     = clamp(floor(v / d) + 0.5, -1.5, 1.5), or -1.5 where scale is nan
+    code  = q + 1.5 (0..3) in 2 bits, element 4i + k in bits 2k, 2k + 1 of byte i
+
+Dequantization reads ``D = q * scale`` back; summing pieces adds them in piece order,
+the first term taken as it is. Values past the inputs' end (up to the payload's size)
+count as zeros (a 2-bit code decodes them to ``0.5 * scale``; no op reads them back).
+A block holding nan (or inf) has a nan (or inf; 2-bit codes: nan) scale, so all
+of its values decode to nan: a non-finite value is never lost in a round, and
+``check_finite`` sees it.
 
 These functions are the reference of the extension's fused kernels (``csrc/``), which
 give the same bits for float32 (same float32 operations, in the same order; both round
@@ -44,7 +55,8 @@ import dataclasses
 
 import torch
 
-QMAX = {8: 127, 4: 7}
+#: ``Q`` per code width: the block maximum over ``Q`` is the scale
+QMAX = {8: 127, 4: 7, 2: 3}
 
 
 def _round_up(x: int, m: int) -> int:
@@ -62,10 +74,12 @@ class QuantLayout:
 
     def __post_init__(self) -> None:
         if self.bits not in QMAX:
-            raise ValueError(f"QuantLayout: bits must be 8 or 4, got {self.bits}")
-        if self.block_size < 2 or self.block_size % 2:
+            raise ValueError(f"QuantLayout: bits must be 8, 4 or 2, got {self.bits}")
+        multiple = 4 if self.bits == 2 else 2  # codes never share a byte across blocks
+        if self.block_size < 2 or self.block_size % multiple:
             raise ValueError(
-                f"QuantLayout: block_size must be even and >= 2, got {self.block_size}")
+                f"QuantLayout: block_size must be a multiple of {multiple} and >= 2 for "
+                f"{self.bits}-bit codes, got {self.block_size}")
         if self.pieces < 1 or self.piece_elems < 0 or self.piece_elems % self.block_size:
             raise ValueError(
                 f"QuantLayout: need pieces >= 1 and piece_elems a multiple of block_size, got "
@@ -164,12 +178,19 @@ def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
     vb = v.view(layout.pieces, layout.blocks, layout.block_size)
     qmax = layout.qmax
     scale = (vb.abs().amax(dim=-1) * (1.0 / qmax)).to(torch.float32)
+    if layout.bits == 2:  # no code decodes to 0: an inf scale becomes nan
+        scale.masked_fill_(scale.isinf(), float("nan"))
     s = scale.to(ct).unsqueeze(-1)
     d = torch.where(s == 0, torch.ones_like(s), s)
-    # a block holding nan or inf: its scale is nan or inf and its codes 0, so every value
-    # of the block decodes to nan and a finite check sees it. Its quotients are nan, or
-    # 0 (finite / inf), so codes 0 are the nan quotients made 0 (a nan has no integer)
-    q = torch.round(vb / d).clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
+    if layout.bits == 2:
+        q = (torch.floor(vb / d) + 0.5).clamp_(-1.5, 1.5)
+        q = torch.where(s.isnan(), -1.5, q)
+    else:
+        # a block holding nan or inf: its scale is nan or inf and its codes 0, so every
+        # value of the block decodes to nan and a finite check sees it. Its quotients are
+        # nan, or 0 (finite / inf), so codes 0 are the nan quotients made 0 (a nan has no
+        # integer)
+        q = torch.round(vb / d).clamp_(-qmax, qmax).nan_to_num_(nan=0.0)
     if residual_out is not None:
         residual_out.copy_((vb - q * s).view(-1)[:n])
     layout.scales(packed).copy_(scale)
@@ -177,9 +198,12 @@ def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
     q = q.view(layout.pieces, layout.piece_elems)
     if layout.bits == 8:
         codes.view(torch.int8).copy_(q)
-    else:
+    elif layout.bits == 4:
         u = (q + 8).to(torch.uint8).view(layout.pieces, -1, 2)
         codes.copy_(u[..., 0] | (u[..., 1] << 4))
+    else:
+        u = (q + 1.5).to(torch.uint8).view(layout.pieces, -1, 4)
+        codes.copy_(u[..., 0] | (u[..., 1] << 2) | (u[..., 2] << 4) | (u[..., 3] << 6))
 
 
 def _decode(packed: torch.Tensor, layout: QuantLayout, ct: torch.dtype) -> torch.Tensor:
@@ -187,8 +211,11 @@ def _decode(packed: torch.Tensor, layout: QuantLayout, ct: torch.dtype) -> torch
     codes = layout.codes(packed)
     if layout.bits == 8:
         q = codes.view(torch.int8).to(ct)
-    else:
+    elif layout.bits == 4:
         q = torch.stack((codes & 15, codes >> 4), dim=-1).to(ct).sub_(8)
+    else:
+        q = torch.stack((codes & 3, (codes >> 2) & 3, (codes >> 4) & 3, codes >> 6),
+                        dim=-1).to(ct).sub_(1.5)
     q = q.view(layout.pieces, layout.blocks, layout.block_size)
     return (q * layout.scales(packed).to(ct).unsqueeze(-1)).view(layout.pieces, layout.piece_elems)
 

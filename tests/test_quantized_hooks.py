@@ -21,7 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
 from ddp_avg_hooks.bucket import ParamBucket
-from ddp_avg_hooks.hooks import QuantizedDeltaState, int4_compress_hook, int8_compress_hook
+from ddp_avg_hooks.hooks import (QuantizedDeltaState, int2_compress_hook, int4_compress_hook,
+                                 int8_compress_hook)
 from ddp_avg_hooks.rounds import run_round
 
 from _dist import run_ranks
@@ -30,8 +31,8 @@ from _helpers import flat as _flat
 # module-scoped runs serve several tests: one worker runs them all, early
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_quantized_hooks")]
 
-HOOKS = {8: int8_compress_hook, 4: int4_compress_hook}
-QMAX = {8: 127, 4: 7}
+HOOKS = {8: int8_compress_hook, 4: int4_compress_hook, 2: int2_compress_hook}
+QMAX = {8: 127, 4: 7, 2: 3}
 K_SLACK = 1 + 2.0**-14  # the docstring's k
 BLOCK = 32
 
@@ -39,7 +40,8 @@ BLOCK = 32
 # --- the reference ---------------------------------------------------------------------------
 def _np_quant(v: np.ndarray, block: int, qmax: int):
     """Blockwise absmax round-to-nearest of ``v`` (a multiple of ``block`` long): the
-    dequantized values and each block's scale (as float32)."""
+    dequantized values and each block's scale (as float32). ``qmax=3``: the 2-bit codes'
+    four levels, +-0.5 and +-1.5 times the scale, the values above 2 scales clipped."""
     vb = v.reshape(-1, block)
     amax = np.abs(vb).max(axis=1)
     if v.dtype == np.float32:
@@ -48,7 +50,10 @@ def _np_quant(v: np.ndarray, block: int, qmax: int):
         scale = (amax * (1.0 / qmax)).astype(np.float32)
     s = scale.astype(v.dtype)[:, None]
     d = np.where(s == 0, np.ones_like(s), s)
-    q = np.clip(np.rint(vb / d), -qmax, qmax)
+    if qmax == 3:
+        q = np.clip(np.floor(vb / d) + 0.5, -1.5, 1.5)
+    else:
+        q = np.clip(np.rint(vb / d), -qmax, qmax)
     return (q * s).reshape(-1), scale
 
 
@@ -67,6 +72,7 @@ def _np_round(anchor, params, residuals, bits, block=BLOCK, ef=True):
         d, _ = _np_quant(v, block, qmax)
         if ef:
             residuals[r][:] = v[:numel] - d[:numel]
+        d[numel:] = 0  # the padding is never read back (2-bit codes decode it to 0.5 scale)
         dq.append(d)
     if gathered:
         total = dq[0].copy()
@@ -96,7 +102,8 @@ def _np_round_bound(anchor, params, residuals, bits, block=BLOCK):
     total = np.abs(sum(vs)) + sum(a) / qmax  # |T| <= |sum v| + sum of own roundings
     # the requantization's term, from three ranks on
     big_a = np.repeat(total.reshape(-1, block).max(1), block) if n > 2 else 0.0
-    return (K_SLACK * (sum(a) + big_a) / (2 * qmax) * (1 + 1e-6))[:numel]
+    clipped = 3 if bits == 2 else 1  # 2-bit codes: up to a / 2 where a value is clipped
+    return (clipped * K_SLACK * (sum(a) + big_a) / (2 * qmax) * (1 + 1e-6))[:numel]
 
 
 def _expected_bytes(numel: int, bits: int, block: int = BLOCK) -> int:
@@ -174,7 +181,7 @@ def _rounds_in_group(rank, group, bits):
 def _four_ranks(rank, world_size):
     groups = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2]), 4: dist.group.WORLD}
     return {(g, bits): _rounds_in_group(rank, group, bits)
-            for g, group in groups.items() for bits in (8, 4) if rank < g}
+            for g, group in groups.items() for bits in (8, 4, 2) if rank < g}
 
 
 @pytest.fixture(scope="session")
@@ -189,7 +196,7 @@ def _bucket_slices():
             for e, n in zip(ends, [sizes[0] + sizes[1], sizes[2], sizes[3]])]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("g", [2, 3, 4])
 def test_rounds_match_numpy_reference_bit_for_bit(four, g, bits):
     ranks = [four[r][(g, bits)] for r in range(g)]
@@ -212,7 +219,7 @@ def test_rounds_match_numpy_reference_bit_for_bit(four, g, bits):
             assert np.array_equal(ranks[r]["residuals"][i].numpy(), residuals[i][r])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_zero_delta_leaves_parameters_unchanged(four, bits):
     for g in (2, 3, 4):
         for r in range(g):
@@ -225,7 +232,7 @@ def test_zero_delta_leaves_parameters_unchanged(four, bits):
     assert (res["post"][-1][sl] - res["init"][sl]).abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_bytes_do_not_grow_with_world_size(four, bits):
     sizes = [s.stop - s.start for s in _bucket_slices()]
     expected = sum(_expected_bytes(n, bits) for n in sizes)
@@ -256,10 +263,10 @@ def test_bytes_do_not_grow_with_world_size(four, bits):
     # what a rank hands over, (1 + 1/g) payloads, shrinks towards one payload
     assert handed[2] <= handed[4] <= handed[3] <= handed[2] * (1 + 1 / 3) * 1.02
     ratio = expected / (4 * sum(sizes))
-    assert ratio < (0.29 if bits == 8 else 0.16), ratio
+    assert ratio < {8: 0.29, 4: 0.16, 2: 0.1}[bits], ratio
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_collectives_issued_in_order_by_the_calling_thread(four, bits):
     # from three ranks on the hooks issue the all-to-alls; the second phases, deferred
     # until every bucket's is in flight, the all-gathers; then the collective issued
@@ -279,7 +286,7 @@ def test_collectives_issued_in_order_by_the_calling_thread(four, bits):
         assert all(s == seqs[0] for s in seqs)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 def test_one_round_within_stated_bound(four, bits):
     for g in (2, 3, 4):
         ranks = [four[r][(g, bits)] for r in range(g)]
@@ -309,7 +316,7 @@ def _long_runs(rank):
                "both": normal}
     out = {"updates": updates}
     for name, update in updates.items():
-        for bits in (8, 4):
+        for bits in (8, 4, 2):
             for ef in (True, False):
                 w = torch.nn.Parameter(torch.full((256,), 2.0, dtype=torch.float64))
                 bucket = ParamBucket(0, [w], is_last=True, keep_anchor=True)
@@ -406,6 +413,7 @@ def _two_ranks(rank, world_size):
     return {"long": _long_runs(rank), "bf16": _bf16_round(rank),
             ("ckpt_none", 8): _checkpoints(rank, 8, lambda: None),
             ("ckpt_state", 4): _checkpoints(rank, 4, lambda: QuantizedDeltaState(block_size=16)),
+            ("ckpt_state", 2): _checkpoints(rank, 2, lambda: QuantizedDeltaState(block_size=16)),
             ("overlap", 8): _overlap(rank, 8)}
 
 
@@ -428,7 +436,7 @@ def _simulate(updates, bits, ef, rounds):
     return hist
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("name", ["one_rank", "both"])
 def test_error_feedback_keeps_the_roundings(two, name, bits):
     # two ranks: each rank's own rounding (the requantization's, from three ranks on, is
@@ -466,7 +474,7 @@ def test_bf16_bucket(two):
     assert err.max() <= 0.35 / 127 + 2.0**-8 * 3.2
 
 
-@pytest.mark.parametrize("kind,bits", [("ckpt_none", 8), ("ckpt_state", 4)])
+@pytest.mark.parametrize("kind,bits", [("ckpt_none", 8), ("ckpt_state", 4), ("ckpt_state", 2)])
 def test_handle_checkpoint_resumes_bit_for_bit(two, kind, bits):
     for r in two:
         assert r[(kind, bits)]["same"] and r[(kind, bits)]["resumed"]
@@ -499,8 +507,12 @@ def test_validation_messages():
         QuantizedDeltaState(block_size=0)
     with pytest.raises(TypeError, match="process_group must be None"):
         QuantizedDeltaState(process_group="world")
+    with pytest.raises(ValueError, match="int2_compress_hook: block_size must be a multiple of 4"
+                                         ".* got 6; try 64 or 128"):
+        dah.hook_spec(int2_compress_hook).validate(QuantizedDeltaState(block_size=6))
     dah.hook_spec(int8_compress_hook).validate(None)
     dah.hook_spec(int4_compress_hook).validate(QuantizedDeltaState())
+    dah.hook_spec(int2_compress_hook).validate(QuantizedDeltaState(block_size=4))
     assert dah.hook_spec(int8_compress_hook).needs_anchor
     assert dah.hook_spec(int4_compress_hook).needs_anchor
 
@@ -524,7 +536,7 @@ def test_state_dict_round_trip_and_mismatch(world1):
     assert torch.equal(restored.state_dict()["residuals"][0], saved["residuals"][0])
 
 
-@pytest.mark.parametrize("hook", [int8_compress_hook, int4_compress_hook])
+@pytest.mark.parametrize("hook", [int8_compress_hook, int4_compress_hook, int2_compress_hook])
 def test_single_rank_round_is_within_one_rounding(world1, hook):
     # one rank: the result is the rank's own dequantized delta
     w = torch.nn.Parameter(torch.full((1000,), 5.0, dtype=torch.float64))
@@ -533,8 +545,11 @@ def test_single_rank_round_is_within_one_rounding(world1, hook):
         w[:500].add_(torch.linspace(-1e-2, 1e-2, 500, dtype=torch.float64))
     target = w.detach().clone()
     run_round(hook, None, [bucket])
-    qmax = 127 if hook is int8_compress_hook else 7
-    assert (w.detach() - target).abs().max() <= 2 * K_SLACK * 1e-2 / (2 * qmax)
-    assert torch.equal(w.detach()[500:], target[500:])  # zero blocks: exactly unchanged
+    qmax = {int8_compress_hook: 127, int4_compress_hook: 7, int2_compress_hook: 3}[hook]
+    clipped = 3 if hook is int2_compress_hook else 1  # up to half the block's maximum
+    assert (w.detach() - target).abs().max() <= clipped * 2 * K_SLACK * 1e-2 / (2 * qmax)
+    # zero blocks: exactly unchanged (2-bit codes have no zero level: only whole blocks)
+    still = 512 if hook is int2_compress_hook else 500
+    assert torch.equal(w.detach()[still:], target[still:])
     residual = bucket.memory()["quant_residual"]
     torch.testing.assert_close(w.detach() - residual, target, rtol=0, atol=1e-15)

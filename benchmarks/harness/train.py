@@ -39,6 +39,9 @@ next to this file), listed here in its order:
   ``int4_streaming_interleaved_half_period``: the latter at half of ``--period``;
   ``int4_streaming_interleaved_next_step``: with each round applied at the step after
   its launch, whenever it completes (``overlap_steps=1``);
+  ``int2_streaming_interleaved``, ``int2_streaming_interleaved_next_step``: the same two
+  with 2-bit codes (``int2_compress_hook``; run them at half the 4-bit ones' ``--period``
+  for about their bytes);
 - ``int4_streaming_reducer_on``: ``int4_streaming`` with DDP's gradient reducer left
   running after the warm-up (``handle.reducer_switch.release()``);
 - ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with

@@ -130,6 +130,11 @@ _SPECS = (
     # the latter with every round applied at the step after its launch, whenever it completes
     VariantSpec("int4_streaming_interleaved_next_step", OURS, hook="int4_compress_hook",
                 overlap=True, overlap_steps=1, fragments=True, fragment_layout="interleaved"),
+    # 2-bit codes: period 4 with them sends about what period 8 does with 4-bit codes
+    VariantSpec("int2_streaming_interleaved", OURS, hook="int2_compress_hook", overlap=True,
+                fragments=True, fragment_layout="interleaved"),
+    VariantSpec("int2_streaming_interleaved_next_step", OURS, hook="int2_compress_hook",
+                overlap=True, overlap_steps=1, fragments=True, fragment_layout="interleaved"),
     # DDP's reducer left running after the warm-up (what the hook cost before it was skipped)
     VariantSpec("int4_streaming_reducer_on", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True, keep_reducer=True),

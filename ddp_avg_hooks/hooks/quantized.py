@@ -1,5 +1,5 @@
-"""Blockwise int8 / int4 averaging of the parameter *change*: ``int8_compress_hook``,
-``int4_compress_hook``.
+"""Blockwise int8 / int4 / 2-bit averaging of the parameter *change*:
+``int8_compress_hook``, ``int4_compress_hook``, ``int2_compress_hook``.
 
 Like the half-precision hooks (:mod:`.compress`), these send the change since the last
 round, ``delta = anchor - params``, never the parameters, and compute the new parameters
@@ -7,7 +7,11 @@ in the bucket's dtype. The change is quantized blockwise: per block of ``block_s
 values one float32 scale (the block's absolute maximum over ``Q``, ``Q = 127`` for int8,
 ``7`` for int4) and one code per value (int8; int4 as ``code + 8`` in 4 bits, two per
 byte), rounded to nearest (half to even, the same on every rank). An all-zero block gets
-scale 0 and codes 0, never NaN. Per bucket and round, on rank ``r`` of ``n``::
+scale 0 and codes 0, never NaN. ``int2_compress_hook``'s codes are four levels without a
+zero, ``{-1.5, -0.5, 0.5, 1.5}`` times a scale of the block's maximum over 3, four to a
+byte: the values above two thirds of the maximum are clipped, and error feedback carries
+what is lost (see :mod:`ddp_avg_hooks._quantize` for the exact rule). Per bucket and
+round, on rank ``r`` of ``n``::
 
     v_r = delta_r / n + e_r                      # e_r: error feedback (on by default)
     D_r = dequant(quant(v_r));  e_r <- v_r - D_r  # this rank's own rounding
@@ -43,14 +47,16 @@ each rank relays in the all-gather (``1 / n`` of the payload), just as the allre
 hooks count the tensor they reduce once, not the ring's traffic. On the wire each rank
 sends about ``2 (n - 1) / n`` times the payload (one payload with two ranks), as a ring
 allreduce of it would; nothing grows with the world size. At the default
-``block_size=128`` that is 0.258 (int8) and 0.133 (int4) of float32.
+``block_size=128`` that is 0.258 (int8), 0.133 (int4) and 0.0703 (2-bit) of float32.
 
 **Error bounds**, per element and round (tested in ``tests/test_quantized_hooks.py``).
 With ``a_r`` the largest ``|v_r|`` in the element's block, ``A`` the largest ``|T|`` there,
 and ``k = 1 + 2**-14`` (float32 rounding of the scale and the division):
 
 * this rank's own rounding: ``|v_r - D_r| <= k * a_r / (2 Q)`` (int8: ``a_r / 254``,
-  int4: ``a_r / 14``);
+  int4: ``a_r / 14``; 2-bit codes, ``Q = 3``: ``a_r / 6`` for ``|v_r| <= 2 a_r / 3``
+  and up to ``a_r / 2`` for the values clipped above, so read ``3 k a_r / (2 Q)`` for
+  ``k a_r / (2 Q)`` in the bounds below);
 * the requantization, from three ranks on: ``|T - R| <= k * A / (2 Q)``;
 * so one round's result is within ``sum_r k * a_r / (2 Q)`` (plus ``k * A / (2 Q)`` from
   three ranks on) of ``anchor - sum_r v_r``, plus float32 rounding of the sum ``T``
@@ -119,11 +125,13 @@ def _zeros(bucket: ParamBucket) -> torch.Tensor:
 
 
 class QuantizedDeltaState(DeltaState):
-    """Options and error feedback of :func:`int8_compress_hook` and :func:`int4_compress_hook`.
+    """Options and error feedback of :func:`int8_compress_hook`, :func:`int4_compress_hook`
+    and :func:`int2_compress_hook`.
 
     Args:
-        block_size: values per float32 scale (an even int >= 2). Smaller blocks follow
-            the delta's magnitude more closely and cost ``4 / block_size`` bytes per value.
+        block_size: values per float32 scale (an even int >= 2; a multiple of 4 for
+            ``int2_compress_hook``). Smaller blocks follow the delta's magnitude more
+            closely and cost ``4 / block_size`` bytes per value.
         error_feedback: carry the roundings (this rank's own and, from three ranks on,
             the requantization of the piece it reduced) into the next round (default
             ``True``).
@@ -184,8 +192,23 @@ class QuantizedDeltaState(DeltaState):
 
 _FAMILY = DeltaHookFamily(QuantizedDeltaState, "quant_residual", _zeros,
                           "a QuantizedDeltaState(block_size=..., error_feedback=...)")
+
+
+def _two_bit_validator():
+    family_check = _FAMILY.validator("int2_compress_hook")
+
+    def validate_state(state) -> None:
+        family_check(state)
+        if isinstance(state, QuantizedDeltaState) and state.block_size % 4:
+            raise ValueError(
+                f"int2_compress_hook: block_size must be a multiple of 4 (four codes to a "
+                f"byte, never across blocks), got {state.block_size}; try 64 or 128")
+    return validate_state
+
+
 _VALIDATORS = {8: _FAMILY.validator("int8_compress_hook"),
-               4: _FAMILY.validator("int4_compress_hook")}
+               4: _FAMILY.validator("int4_compress_hook"),
+               2: _two_bit_validator()}
 
 
 def _sub_(a: torch.Tensor, half: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -354,3 +377,41 @@ def int4_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
         >>> handle.remove(); dist.destroy_process_group()
     """
     return _quantized_delta_hook(state, bucket, 4)
+
+
+@averaging_hook(needs_anchor=True, validate_state=_VALIDATORS[2],
+                prepare_bucket=_FAMILY.prepare_bucket,
+                linear=True, settings=_FAMILY.settings)
+def int2_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
+    """Average the parameter change since the last round, sent as blockwise 2-bit codes.
+
+    Same as :func:`int8_compress_hook` with four levels, ``{-1.5, -0.5, 0.5, 1.5}``
+    times a float32 scale of the block's maximum over 3, four codes per byte (0.0703 of
+    float32's bytes at ``block_size=128``, about half of int4's). The levels' step is a
+    third of the block's maximum, so the values above two thirds of it are clipped: each
+    round is coarse, and error feedback (on by default) carries what every rounding lost
+    into the next. No level is zero: a value that did not change, in a block where others
+    did, moves by up to half a step in a round, and error feedback takes it back (a
+    block that did not change at all stays exactly as it was). Half of int4's bytes buy
+    a round twice as often at the same link time: ``period=4`` with it sends about what
+    ``period=8`` does with int4.
+
+    Args:
+        state: ``None``, a ``ProcessGroup`` or a :class:`QuantizedDeltaState` (its
+            ``block_size`` a multiple of 4).
+        bucket: the :class:`~ddp_avg_hooks.ParamBucket` to average.
+
+    Returns:
+        A future of the new flat parameters (written into ``bucket.workspace()``).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> import ddp_avg_hooks as dah
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        >>> handle = dah.register_averaging_hook(ddp, dah.hooks.int2_compress_hook, None, period=2)
+        >>> [handle.step() for _ in range(3)], handle.stats.bytes_sent  # (3 + 4) bytes x 2
+        ([True, False, True], 14)
+        >>> handle.remove(); dist.destroy_process_group()
+    """
+    return _quantized_delta_hook(state, bucket, 2)
