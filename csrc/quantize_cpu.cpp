@@ -216,6 +216,23 @@ inline float code_at(const Layout& L, const uint8_t* codes, int64_t j) {
   return static_cast<float>(((j % 2) ? (byte >> 4) : (byte & 15)) - 8);
 }
 
+// The 2-bit codes' scale: the block's root mean square from a fixed-point sum of squares
+// (k = floor((v / amax)^2 * 2^24), an exact integer sum), so that the sum's order does not
+// matter: amax * sqrt(sum k / (2^24 * block)) in double, rounded to float. 0 for an
+// all-zero block, nan for one holding nan or inf.
+float rms_scale(const float* x, const float* e, int64_t valid, int64_t block, float amax) {
+  if (!std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0.0f) return 0.0f;
+  int64_t k = 0;
+  for (int64_t j = 0; j < valid; ++j) {
+    const float t = (e == nullptr ? x[j] : x[j] + e[j]) / amax;
+    const float t2 = t * t;
+    k += static_cast<int64_t>(std::floor(t2 * 16777216.0f));
+  }
+  const double mean_square = static_cast<double>(k) / (16777216.0 * static_cast<double>(block));
+  return static_cast<float>(static_cast<double>(amax) * std::sqrt(mean_square));
+}
+
 // One block of 2-bit codes: q = clamp(floor(v / divisor) + 0.5, -1.5, 1.5), -1.5 under a
 // nan scale (a block holding nan or inf, whose scale is made nan: no level decodes to 0).
 void quant_block_2bit(const float* x, const float* e, float* e_out, int64_t valid, int64_t block,
@@ -246,13 +263,13 @@ void quant_block(const Layout& L, const float* x, const float* e, float* e_out, 
   if (kAvx2) j = absmax_avx2(x, e, valid, &amax);
 #endif
   for (; j < valid; ++j) amax = nan_max(amax, std::fabs(e == nullptr ? x[j] : x[j] + e[j]));
-  float scale = amax * L.inv_qmax;
   if (L.bits == 2) {
-    if (std::isinf(scale)) scale = std::numeric_limits<float>::quiet_NaN();
+    const float scale = rms_scale(x, e, valid, L.block, amax);
     std::memcpy(scale_out, &scale, sizeof scale);
     quant_block_2bit(x, e, e_out, valid, L.block, scale, codes);
     return;
   }
+  const float scale = amax * L.inv_qmax;
   const float divisor = scale == 0.0f ? 1.0f : scale;
   // a block holding nan or inf: codes 0 under its nan / inf scale, so every value of
   // the block decodes to nan (0 * scale) and the residual holds nan too

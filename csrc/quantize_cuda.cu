@@ -84,7 +84,24 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float scale = __fmul_rn(amax, L.inv_qmax);
-    if (L.bits == 2 && isinf(scale)) scale = __int_as_float(0x7fc00000);  // nan
+    if (L.bits == 2) {
+      // the block's root mean square from a fixed-point sum of squares (an exact integer
+      // sum, whatever the order): amax * sqrt(sum floor((v / amax)^2 * 2^24) / (2^24 * block))
+      long long k = 0;
+      if (isfinite(amax) && amax != 0.0f) {
+        for (int64_t j = lane; j < valid; j += 32) {
+          const float t = __fdiv_rn(value(x, e_in, g0 + j), amax);
+          k += static_cast<long long>(floorf(__fmul_rn(__fmul_rn(t, t), 16777216.0f)));
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) k += __shfl_xor_sync(0xffffffffu, k, o);
+      const double mean_square = __ddiv_rn(static_cast<double>(k),
+                                           16777216.0 * static_cast<double>(L.block));
+      scale = !isfinite(amax) ? __int_as_float(0x7fc00000)  // nan
+                              : __double2float_rn(__dmul_rn(static_cast<double>(amax),
+                                                            __dsqrt_rn(mean_square)));
+    }
     const float divisor = scale == 0.0f ? 1.0f : scale;
     const bool finite = isfinite(scale);
     if (lane == 0) reinterpret_cast<float*>(packed + p * L.piece_bytes)[b] = scale;

@@ -18,11 +18,11 @@ or float64 when the inputs are float64; scales are float32 either way)::
 int8 codes are ``q`` as ``int8``; int4 codes are ``q + 8`` (1..15) in 4 bits, element
 ``2i`` in the low nibble of byte ``i`` and ``2i + 1`` in the high one.
 
-2-bit codes have no zero: four levels ``q`` in ``{-1.5, -0.5, 0.5, 1.5}``, with ``Q = 3``
-(the levels' step is a third of the block's maximum, so values beyond ``2 * scale`` are
-clipped to ``1.5 * scale`` and error feedback carries the rest)::
+2-bit codes have no zero: four levels ``q`` in ``{-1.5, -0.5, 0.5, 1.5}`` times the
+block's root mean square (:func:`rms_scale`), so values beyond twice it are clipped to
+``1.5 * scale`` and error feedback carries the rest::
 
-    scale = float32(max|v| * (1 / 3)), made nan where it is inf (a block holding inf)
+    scale = rms_scale(block)                  # nan for a block holding nan or inf
     q     = clamp(floor(v / d) + 0.5, -1.5, 1.5), or -1.5 where scale is nan
     code  = q + 1.5 (0..3) in 2 bits, element 4i + k in bits 2k, 2k + 1 of byte i
 
@@ -55,8 +55,10 @@ import dataclasses
 
 import torch
 
-#: ``Q`` per code width: the block maximum over ``Q`` is the scale
-QMAX = {8: 127, 4: 7, 2: 3}
+#: ``Q`` of the 8- and 4-bit codes: the block maximum over ``Q`` is the scale (2-bit
+#: codes: :func:`rms_scale`)
+QMAX = {8: 127, 4: 7}
+BITS = (8, 4, 2)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -73,7 +75,7 @@ class QuantLayout:
     piece_elems: int
 
     def __post_init__(self) -> None:
-        if self.bits not in QMAX:
+        if self.bits not in BITS:
             raise ValueError(f"QuantLayout: bits must be 8, 4 or 2, got {self.bits}")
         multiple = 4 if self.bits == 2 else 2  # codes never share a byte across blocks
         if self.block_size < 2 or self.block_size % multiple:
@@ -176,10 +178,12 @@ def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
     else:
         torch.add(x, residual, out=v[:n])
     vb = v.view(layout.pieces, layout.blocks, layout.block_size)
-    qmax = layout.qmax
-    scale = (vb.abs().amax(dim=-1) * (1.0 / qmax)).to(torch.float32)
-    if layout.bits == 2:  # no code decodes to 0: an inf scale becomes nan
-        scale.masked_fill_(scale.isinf(), float("nan"))
+    amax = vb.abs().amax(dim=-1)
+    if layout.bits == 2:
+        scale = rms_scale(vb, amax)
+    else:
+        qmax = layout.qmax
+        scale = (amax * (1.0 / qmax)).to(torch.float32)
     s = scale.to(ct).unsqueeze(-1)
     d = torch.where(s == 0, torch.ones_like(s), s)
     if layout.bits == 2:
@@ -204,6 +208,25 @@ def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
     else:
         u = (q + 1.5).to(torch.uint8).view(layout.pieces, -1, 4)
         codes.copy_(u[..., 0] | (u[..., 1] << 2) | (u[..., 2] << 4) | (u[..., 3] << 6))
+
+
+def rms_scale(vb: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The 2-bit codes' float32 scale of each block (the rows of ``vb``, its maximum
+    ``|v|`` in ``amax``): the block's root mean square, from a fixed-point sum of squares
+    so that every implementation gets the same bits whatever order it adds in::
+
+        t = v / amax;  k = floor(t * t * 2**24)     # an integer in [0, 2**24] per value
+        scale = float32(amax * sqrt(sum(k) / (2**24 * block_size)))  # in float64
+
+    0 for an all-zero block, nan for one holding nan or inf (no 2-bit level is 0, so
+    the block decodes to nan).
+    """
+    a = amax.unsqueeze(-1)
+    t = vb / torch.where(a == 0, torch.ones_like(a), a)
+    k = torch.floor(t * t * float(2**24)).to(torch.int64).sum(dim=-1)
+    mean_square = k.to(torch.float64) / (float(2**24) * vb.shape[-1])
+    scale = (amax.to(torch.float64) * mean_square.sqrt()).to(torch.float32)
+    return scale.masked_fill_(~torch.isfinite(amax), float("nan"))
 
 
 def _decode(packed: torch.Tensor, layout: QuantLayout, ct: torch.dtype) -> torch.Tensor:

@@ -8,9 +8,9 @@ values one float32 scale (the block's absolute maximum over ``Q``, ``Q = 127`` f
 ``7`` for int4) and one code per value (int8; int4 as ``code + 8`` in 4 bits, two per
 byte), rounded to nearest (half to even, the same on every rank). An all-zero block gets
 scale 0 and codes 0, never NaN. ``int2_compress_hook``'s codes are four levels without a
-zero, ``{-1.5, -0.5, 0.5, 1.5}`` times a scale of the block's maximum over 3, four to a
-byte: the values above two thirds of the maximum are clipped, and error feedback carries
-what is lost (see :mod:`ddp_avg_hooks._quantize` for the exact rule). Per bucket and
+zero, ``{-1.5, -0.5, 0.5, 1.5}`` times the block's root mean square, four to a byte: the
+values beyond twice it are clipped, and error feedback carries what is lost (see
+:mod:`ddp_avg_hooks._quantize` for the exact rule). Per bucket and
 round, on rank ``r`` of ``n``::
 
     v_r = delta_r / n + e_r                      # e_r: error feedback (on by default)
@@ -54,9 +54,9 @@ With ``a_r`` the largest ``|v_r|`` in the element's block, ``A`` the largest ``|
 and ``k = 1 + 2**-14`` (float32 rounding of the scale and the division):
 
 * this rank's own rounding: ``|v_r - D_r| <= k * a_r / (2 Q)`` (int8: ``a_r / 254``,
-  int4: ``a_r / 14``; 2-bit codes, ``Q = 3``: ``a_r / 6`` for ``|v_r| <= 2 a_r / 3``
-  and up to ``a_r / 2`` for the values clipped above, so read ``3 k a_r / (2 Q)`` for
-  ``k a_r / (2 Q)`` in the bounds below);
+  int4: ``a_r / 14``; 2-bit codes: half their scale, the block's root mean square, for
+  the values within twice it, and less than ``a_r`` for the values clipped beyond, so
+  read ``k a_r`` for ``k a_r / (2 Q)`` in the bounds below);
 * the requantization, from three ranks on: ``|T - R| <= k * A / (2 Q)``;
 * so one round's result is within ``sum_r k * a_r / (2 Q)`` (plus ``k * A / (2 Q)`` from
   three ranks on) of ``anchor - sum_r v_r``, plus float32 rounding of the sum ``T``
@@ -386,15 +386,14 @@ def int2_compress_hook(state, bucket: ParamBucket) -> torch.futures.Future:
     """Average the parameter change since the last round, sent as blockwise 2-bit codes.
 
     Same as :func:`int8_compress_hook` with four levels, ``{-1.5, -0.5, 0.5, 1.5}``
-    times a float32 scale of the block's maximum over 3, four codes per byte (0.0703 of
-    float32's bytes at ``block_size=128``, about half of int4's). The levels' step is a
-    third of the block's maximum, so the values above two thirds of it are clipped: each
-    round is coarse, and error feedback (on by default) carries what every rounding lost
-    into the next. No level is zero: a value that did not change, in a block where others
-    did, moves by up to half a step in a round, and error feedback takes it back (a
-    block that did not change at all stays exactly as it was). Half of int4's bytes buy
-    a round twice as often at the same link time: ``period=4`` with it sends about what
-    ``period=8`` does with int4.
+    times a float32 scale, the block's root mean square, four codes per byte (0.0703 of
+    float32's bytes at ``block_size=128``, about half of int4's). The values beyond twice
+    the scale are clipped: each round is coarse, and error feedback (on by default)
+    carries what every rounding lost into the next. No level is zero: a value that did
+    not change, in a block where others did, moves by up to half a step in a round, and
+    error feedback takes it back (a block that did not change at all stays exactly as
+    it was). Half of int4's bytes buy a round twice as often at the same link time:
+    ``period=4`` with it sends about what ``period=8`` does with int4.
 
     Args:
         state: ``None``, a ``ProcessGroup`` or a :class:`QuantizedDeltaState` (its
