@@ -165,6 +165,14 @@ DAH_AVX2 int64_t quant_block_avx2(const Layout& L, const float* x, const float* 
 // 8 codes of a block from its start + j -> 8 floats q.
 DAH_AVX2 inline __m256 load_codes8(const Layout& L, const uint8_t* codes, int64_t j) {
   __m256i q;
+  if (L.bits == 2) {  // two bytes, four codes each: level = code - 1.5 (exact)
+    uint16_t w;
+    std::memcpy(&w, codes + j / 4, 2);
+    const __m256i c = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+        _mm256_set1_epi32(3));
+    return _mm256_sub_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(1.5f));
+  }
   if (L.bits == 8) {
     q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j)));
   } else {
@@ -205,6 +213,50 @@ DAH_AVX2 int64_t dequant_sum_avx2(const Layout& L, const uint8_t* packed, int64_
   }
   return j;
 }
+// The fixed-point sum of squares of rms_scale over the 8-value groups of the valid part
+// (added to *k); returns how many values it covered.
+DAH_AVX2 int64_t rms_sum_avx2(const float* x, const float* e, int64_t n, float amax,
+                              int64_t* k) {
+  const __m256 a = _mm256_set1_ps(amax), two24 = _mm256_set1_ps(16777216.0f);
+  __m256i acc = _mm256_setzero_si256();  // four int64 lanes
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(x + j);
+    if (e != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(e + j));
+    const __m256 t = _mm256_div_ps(v, a);
+    const __m256i q = _mm256_cvttps_epi32(
+        _mm256_floor_ps(_mm256_mul_ps(_mm256_mul_ps(t, t), two24)));  // integers <= 2^24
+    acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(q)));
+    acc = _mm256_add_epi64(acc, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(q, 1)));
+  }
+  alignas(32) int64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  *k += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  return j;
+}
+
+// The 2-bit codes (and e_out) of the 8-value groups of the valid part, under a scale
+// that is not nan; returns how many values it covered (a multiple of 8).
+DAH_AVX2 int64_t quant_2bit_avx2(const float* x, const float* e, float* e_out, int64_t n,
+                                 float scale, float divisor, uint8_t* codes) {
+  const __m256 d = _mm256_set1_ps(divisor), s = _mm256_set1_ps(scale);
+  const __m256 half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(1.5f);
+  const __m256 bottom = _mm256_set1_ps(-1.5f);
+  alignas(32) int32_t c[8];
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 v = _mm256_loadu_ps(x + j);
+    if (e != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(e + j));
+    __m256 q = _mm256_add_ps(_mm256_floor_ps(_mm256_div_ps(v, d)), half);
+    q = _mm256_min_ps(_mm256_max_ps(q, bottom), top);
+    if (e_out != nullptr) _mm256_storeu_ps(e_out + j, _mm256_sub_ps(v, _mm256_mul_ps(q, s)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c),
+                       _mm256_cvttps_epi32(_mm256_add_ps(q, top)));  // 0..3
+    codes[j / 4] = static_cast<uint8_t>(c[0] | (c[1] << 2) | (c[2] << 4) | (c[3] << 6));
+    codes[j / 4 + 1] = static_cast<uint8_t>(c[4] | (c[5] << 2) | (c[6] << 4) | (c[7] << 6));
+  }
+  return j;
+}
 #endif  // DAH_Q_AVX2
 
 // The level of element j of a block's codes: an integer, or for 2-bit codes one of
@@ -223,8 +275,11 @@ inline float code_at(const Layout& L, const uint8_t* codes, int64_t j) {
 float rms_scale(const float* x, const float* e, int64_t valid, int64_t block, float amax) {
   if (!std::isfinite(amax)) return std::numeric_limits<float>::quiet_NaN();
   if (amax == 0.0f) return 0.0f;
-  int64_t k = 0;
-  for (int64_t j = 0; j < valid; ++j) {
+  int64_t k = 0, j = 0;
+#ifdef DAH_Q_AVX2
+  if (kAvx2) j = rms_sum_avx2(x, e, valid, amax, &k);
+#endif
+  for (; j < valid; ++j) {
     const float t = (e == nullptr ? x[j] : x[j] + e[j]) / amax;
     const float t2 = t * t;
     k += static_cast<int64_t>(std::floor(t2 * 16777216.0f));
@@ -239,7 +294,11 @@ void quant_block_2bit(const float* x, const float* e, float* e_out, int64_t vali
                       float scale, uint8_t* codes) {
   const float divisor = scale == 0.0f ? 1.0f : scale;
   const bool finite = !std::isnan(scale);
-  for (int64_t j = 0; j < block; ++j) {
+  int64_t j = 0;
+#ifdef DAH_Q_AVX2
+  if (kAvx2 && finite) j = quant_2bit_avx2(x, e, e_out, valid, scale, divisor, codes);
+#endif
+  for (; j < block; ++j) {
     float c = 0.5f;  // past the inputs' end: v = 0
     if (j < valid) {
       const float v = e == nullptr ? x[j] : x[j] + e[j];
@@ -346,7 +405,7 @@ int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t p
       int64_t j = 0;
       if (sum_pieces) {
 #ifdef DAH_Q_AVX2
-        if (kAvx2 && bits != 2) j = dequant_sum_avx2(L, packed, k, o, n);
+        if (kAvx2) j = dequant_sum_avx2(L, packed, k, o, n);
 #endif
         for (; j < n; ++j) {
           float acc = 0.0f;
@@ -363,7 +422,7 @@ int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t p
         const float s = L.scales(packed, p)[b];
         const float* bs = base == nullptr ? nullptr : base + g0;
 #ifdef DAH_Q_AVX2
-        if (kAvx2 && bits != 2) j = dequant_cat_avx2(L, codes, s, bs, o, n);
+        if (kAvx2) j = dequant_cat_avx2(L, codes, s, bs, o, n);
 #endif
         for (; j < n; ++j) {
           const float d = code_at(L, codes, j) * s;
