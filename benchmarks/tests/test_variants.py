@@ -11,7 +11,8 @@ def test_train_docstring_lists_exactly_the_recorded_variants():
     section = doc[doc.index("``--hook`` picks"):doc.index("Rank 0 writes")]
     listed = {w for w in re.findall(r"``([a-z0-9_]+)``", section) if not w.startswith("_")}
     named = listed & set(variants.VARIANTS)
-    hook_names = {"allreduce_hook", "fp16_compress_hook", "int4_compress_hook", "fully_shard"}
+    hook_names = {"allreduce_hook", "fp16_compress_hook", "int2_compress_hook",
+                  "int4_compress_hook", "fully_shard"}
     assert named == set(variants.VARIANTS), set(variants.VARIANTS) - named
     assert listed - named <= hook_names, listed - named  # no name that is not a record
 
