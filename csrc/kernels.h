@@ -21,6 +21,9 @@
  *   feedback_cast: x = (float(anchor[off+j]) - float(p[j])) * scale + float(residual[off+j]);
  *              out[off+j] = cast(x); residual[off+j] = cast(x - float(out[off+j]))
  *   apply_delta:   p[j] = anchor[off+j] = cast(float(anchor[off+j]) - float(change[off+j]))
+ * An overlapped round's write (launch and the anchor have the parameters' dtype P):
+ *   apply_progress: c = cast_P(float(values[off+j]) - float(launch[off+j]));
+ *              p[j] = cast_P(float(p[j]) + float(c)); anchor[off+j] = cast_P(values[off+j])
  *
  * Blockwise quantization (float32 only; ddp_avg_hooks/_quantize.py is the reference). A
  * payload holds `pieces` pieces of `piece_elems` values, a multiple of `block` (even);
@@ -76,6 +79,9 @@ int dah_feedback_cast_cpu(const void* anchor, const void* const* params, const i
 int dah_apply_delta_cpu(void* anchor, const void* change, int change_dtype, void* const* params,
                         const int64_t* numels, const int64_t* offsets, int64_t n,
                         int param_dtype, int num_threads);
+int dah_apply_progress_cpu(const void* values, int values_dtype, const void* launch,
+                           void* const* params, const int64_t* numels, const int64_t* offsets,
+                           int64_t n, int param_dtype, void* anchor, int num_threads);
 /* the vector bodies of the quantization kernels (dah_cpu_simd switches them too) */
 int dah_quantize_simd(int mode);
 int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
@@ -114,6 +120,9 @@ int dah_feedback_cast_cuda(const void* anchor, const void* const* params, const 
 int dah_apply_delta_cuda(void* anchor, const void* change, int change_dtype, void* const* params,
                          const int64_t* numels, const int64_t* offsets, int64_t n,
                          int param_dtype, void* stream);
+int dah_apply_progress_cuda(const void* values, int values_dtype, const void* launch,
+                            void* const* params, const int64_t* numels, const int64_t* offsets,
+                            int64_t n, int param_dtype, void* anchor, void* stream);
 const char* dah_cuda_error_string(int code);
 
 #ifdef __cplusplus

@@ -26,7 +26,10 @@ constexpr int kVec = 4;     // elements per vector access
 constexpr int kUnroll = 4;  // vector accesses per thread per chunk
 constexpr int64_t kChunk = int64_t{kThreads} * kVec * kUnroll;  // elements per block
 
-enum Mode { kFlatten = 0, kUnflatten = 1, kDelta = 2, kApply = 3, kFeedback = 4, kApplyDelta = 5 };
+enum Mode {
+  kFlatten = 0, kUnflatten = 1, kDelta = 2, kApply = 3, kFeedback = 4, kApplyDelta = 5,
+  kApplyProgress = 6
+};
 
 struct SegList {  // passed by value: ~1.3 KB of the 4 KB argument space
   void* param[DAH_CUDA_MAX_TENSORS];
@@ -55,9 +58,9 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
 
 // p: the parameter's slice; a: flat buffer A's slice (flatten/delta/feedback output,
 // unflatten/apply/apply-delta input); b: flat buffer B's slice (delta, feedback: the anchor,
-// read; apply: the anchor, written, may be null; apply-delta: the anchor, read and
-// written); c: flat buffer C's slice (feedback: the residual, read and written; null
-// otherwise). N elements from there.
+// read; apply, apply-progress: the anchor, written, may be null for apply; apply-delta: the
+// anchor, read and written); c: flat buffer C's slice (feedback: the residual, read and
+// written; apply-progress: the launch snapshot, read; null otherwise). N elements from there.
 template <int kMode, class P, class A, class B, class C, bool kScale, int N>
 __device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typename B::T* b,
                                          typename C::T* c, float s) {
@@ -111,6 +114,20 @@ __device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typ
     for (int k = 0; k < N; ++k) out.v[k] = P::store(B::load(an.v[k]) - A::load(ch.v[k]));
     *reinterpret_cast<Vec<PT, N>*>(p) = out;
     *reinterpret_cast<Vec<PT, N>*>(b) = out;
+  } else if constexpr (kMode == kApplyProgress) {  // B and C are P
+    Vec<AT, N> in = *reinterpret_cast<const Vec<AT, N>*>(a);
+    Vec<CT, N> lv = *reinterpret_cast<const Vec<CT, N>*>(c);
+    Vec<PT, N> pv = *reinterpret_cast<const Vec<PT, N>*>(p);
+    Vec<PT, N> an;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float x = A::load(in.v[k]);
+      const PT corr = P::store(x - C::load(lv.v[k]));
+      pv.v[k] = P::store(P::load(pv.v[k]) + P::load(corr));
+      an.v[k] = P::store(x);
+    }
+    *reinterpret_cast<Vec<PT, N>*>(p) = pv;
+    *reinterpret_cast<Vec<PT, N>*>(b) = an;
   } else {  // kApply: B is P
     Vec<AT, N> in = *reinterpret_cast<const Vec<AT, N>*>(a);
     Vec<PT, N> out;
@@ -286,6 +303,20 @@ int dah_apply_delta_cuda(void* anchor, const void* change, int change_dtype, voi
     err = launch_list<kApplyDelta, PT, CT, PT, false>(params, numels, offsets, n,
                                                       const_cast<void*>(change), anchor, 1.0f,
                                                       static_cast<cudaStream_t>(stream));
+  });
+  return static_cast<int>(err);
+}
+
+int dah_apply_progress_cuda(const void* values, int values_dtype, const void* launch,
+                            void* const* params, const int64_t* numels, const int64_t* offsets,
+                            int64_t n, int param_dtype, void* anchor, void* stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch2(param_dtype, values_dtype, [&](auto P, auto V) {
+    using PT = decltype(P);
+    using VT = decltype(V);
+    err = launch_list<kApplyProgress, PT, VT, PT, false, PT>(
+        params, numels, offsets, n, const_cast<void*>(values), anchor, 1.0f,
+        static_cast<cudaStream_t>(stream), const_cast<void*>(launch));
   });
   return static_cast<int>(err);
 }

@@ -72,7 +72,9 @@ struct Plan {
   std::vector<at::Tensor> keep;                                // contiguous copies
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (param, temporary)
 
-  Plan(const std::vector<at::Tensor>& params, bool writes) {
+  // writes: the kernel writes the parameters; reads_too: it reads them first as well, so
+  // a non-contiguous one's temporary starts with its values
+  Plan(const std::vector<at::Tensor>& params, bool writes, bool reads_too = false) {
     int64_t off = 0;
     for (const at::Tensor& p : params) {
       const int64_t n = p.numel();
@@ -80,7 +82,9 @@ struct Plan {
         at::Tensor src = p;
         if (!p.is_contiguous()) {
           if (writes) {
-            src = at::empty(p.sizes(), p.options().memory_format(at::MemoryFormat::Contiguous));
+            src = reads_too ? p.contiguous()
+                            : at::empty(p.sizes(),
+                                        p.options().memory_format(at::MemoryFormat::Contiguous));
             write_back.emplace_back(p, src);
           } else {
             src = p.contiguous();
@@ -286,6 +290,32 @@ void apply_delta(const at::Tensor& anchor, const at::Tensor& change,
   bump(anchor);
 }
 
+void apply_progress(const at::Tensor& values, const at::Tensor& launch,
+                    const std::vector<at::Tensor>& params, const at::Tensor& anchor) {
+  check_args("apply_progress_", params, {&values, &launch, &anchor});
+  check_anchor_dtype("apply_progress_", anchor, params);
+  check_anchor_dtype("apply_progress_", launch, params);
+  Plan plan(params, /*writes=*/true, /*reads_too=*/true);
+  const int vd = dtype_code(values.scalar_type());
+  const void* v = values.data_ptr();
+  const void* l = launch.data_ptr();
+  void* a = anchor.data_ptr();
+  run_groups(
+      "apply_progress_", values, plan,
+      [&](Group& g, int threads) {
+        return dah_apply_progress_cpu(v, vd, l, g.ptrs.data(), g.numels.data(),
+                                      g.offsets.data(), static_cast<int64_t>(g.ptrs.size()),
+                                      g.dtype, a, threads);
+      },
+      [&](Group& g, void* stream) {
+        return dah_apply_progress_cuda(v, vd, l, g.ptrs.data(), g.numels.data(),
+                                       g.offsets.data(), static_cast<int64_t>(g.ptrs.size()),
+                                       g.dtype, a, stream);
+      });
+  plan.finish_writes(params);
+  bump(anchor);
+}
+
 // ---- blockwise quantization: float32 values, a uint8 payload (see kernels.h) ----
 
 void check_values(const char* op, const at::Tensor& t, const at::Tensor& packed) {
@@ -409,6 +439,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = 1.0, release());
   m.def("apply_delta_", &apply_delta, "params <- anchor - change, anchor <- params",
         py::arg("anchor"), py::arg("change"), py::arg("params"), release());
+  m.def("apply_progress_", &apply_progress,
+        "params <- params + (values - launch), anchor <- values (an overlapped round)",
+        py::arg("values"), py::arg("launch"), py::arg("params"), py::arg("anchor"), release());
   m.def("quantize_blocks", &quantize_blocks,
         "blockwise absmax quantization of x (+ e_in) into packed; e_out <- what it lost",
         py::arg("x"), py::arg("e_in"), py::arg("packed"), py::arg("e_out"), py::arg("bits"),

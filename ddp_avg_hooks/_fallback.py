@@ -1,8 +1,8 @@
 """Bucket copy operations in plain PyTorch: the reference loop and a ``torch._foreach_*`` tier.
 
-``flatten``, ``unflatten_``, ``delta``, ``apply_``, ``feedback_cast`` and
-``apply_delta_`` are the readable per-tensor reference; ``foreach_flatten`` ...
-``foreach_apply_delta_`` compute the same thing with
+``flatten``, ``unflatten_``, ``delta``, ``apply_``, ``feedback_cast``, ``apply_delta_``
+and ``apply_progress_`` are the readable per-tensor reference; ``foreach_flatten`` ...
+``foreach_apply_progress_`` compute the same thing with
 ``torch._foreach_*`` ops, through a small reused scratch buffer instead of temporaries.
 The first four also have a twin in the C++ extension (``csrc/``); all give the same
 results bit for bit, following these rules:
@@ -134,6 +134,20 @@ def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
         ct = _compute_dtype(a.dtype, c.dtype, p.dtype)
         p.copy_(a.to(ct) - c.to(ct))
         a.copy_(p)
+
+
+@torch.no_grad()
+def apply_progress_(values: torch.Tensor, launch: torch.Tensor, params: Sequence[torch.Tensor],
+                    anchor: torch.Tensor) -> None:
+    """An overlapped round's write: ``params <- params + (values - launch)``, the
+    correction rounded to each parameter's dtype before the sum, which is rounded again;
+    ``anchor <- values`` rounded to the parameters' dtype. ``launch`` is left as it is."""
+    for v, at_launch, p, a in zip(split_like(values, params), split_like(launch, params),
+                                  params, split_like(anchor, params)):
+        correction = (v.to(_compute_dtype(v.dtype, p.dtype)) - at_launch).to(p.dtype)
+        ct = _compute_dtype(p.dtype)
+        p.copy_(p.to(ct) + correction.to(ct))
+        a.copy_(v)
 
 
 # ---------------------------------------------------------------- foreach tier
@@ -310,3 +324,26 @@ def foreach_apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
             torch._foreach_sub_(x, widened)
             torch._foreach_copy_(a, x)
         torch._foreach_copy_(ps, av)
+
+
+@torch.no_grad()
+def foreach_apply_progress_(values: torch.Tensor, launch: torch.Tensor,
+                            params: Sequence[torch.Tensor], anchor: torch.Tensor) -> None:
+    """:func:`apply_progress_` with ``torch._foreach_*`` ops, in bounded chunks.
+
+    The corrections are computed into the anchor (it has the parameters' dtype, so they
+    are rounded as the parameters would round them), added to the parameters, and then
+    the anchor takes ``values``: no temporary the size of the bucket.
+    """
+    for dt, (ps, vv, lv, av) in _groups(params, values, launch, anchor).items():
+        ct = _compute_dtype(values.dtype, dt)
+        for (a, v, lo), n in _batches(_chunk_limit(ps), av, vv, lv):
+            dev = a[0].device
+            x = split_like(_scratch(n, ct, dev), a)
+            widened = split_like(_scratch(n, ct, dev, slot=1), a)
+            torch._foreach_copy_(x, v)
+            torch._foreach_copy_(widened, lo)  # same-dtype sub: the fast path on CPU
+            torch._foreach_sub_(x, widened)
+            torch._foreach_copy_(a, x)  # the correction, rounded to the parameters' dtype
+        torch._foreach_add_(ps, av)
+        torch._foreach_copy_(av, vv)

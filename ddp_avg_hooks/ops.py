@@ -2,9 +2,9 @@
 
 Two more ops serve hooks that keep no bucket-size float buffer: :func:`feedback_cast`
 (the error-feedback rounding of the change) and :func:`apply_delta_` (write a round's
-averaged change). Outside the extension they run in bounded chunks (no temporary the
-size of the bucket); the extension takes them when the anchor has the parameters'
-dtype.
+averaged change); :func:`apply_progress_` writes an overlapped round in one pass.
+Outside the extension they run in bounded chunks (no temporary the size of the
+bucket); the extension takes them when the anchor has the parameters' dtype.
 
 Rules every implementation follows, bit for bit:
 
@@ -67,6 +67,7 @@ _FOREACH = SimpleNamespace(
     apply_=_fallback.foreach_apply_,
     feedback_cast=_fallback.foreach_feedback_cast,
     apply_delta_=_fallback.foreach_apply_delta_,
+    apply_progress_=_fallback.foreach_apply_progress_,
 )
 
 
@@ -279,6 +280,40 @@ def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
     _feedback_impl(anchor, (anchor, change), params).apply_delta_(anchor, change, params)
 
 
+def apply_progress_(values: torch.Tensor, launch: torch.Tensor,
+                    params: Sequence[torch.Tensor], anchor: torch.Tensor) -> None:
+    """Write an overlapped round: ``params <- params + (values - launch)`` in place, and
+    ``anchor <- values``.
+
+    ``launch`` holds the parameters as the round began, so each parameter keeps the
+    progress it made since. The correction ``values - launch`` is rounded to the
+    parameters' dtype, then added to them (one more rounding), as
+    ``params += (values - launch).to(dtype)`` would; the anchor receives ``values``
+    rounded to the parameters' dtype. ``launch`` and ``anchor`` have the parameters'
+    dtype, ``values`` any float dtype; ``launch`` is not changed. No temporary the size
+    of the bucket.
+
+    Example:
+        >>> import torch
+        >>> from ddp_avg_hooks import ops
+        >>> p, anchor = [torch.tensor([3.0, 5.0])], torch.zeros(2)
+        >>> ops.apply_progress_(torch.tensor([1.0, 1.0]), torch.tensor([2.0, 4.0]), p, anchor)
+        >>> p[0].tolist(), anchor.tolist()  # each keeps its 1.0 of progress
+        ([2.0, 2.0], [1.0, 1.0])
+    """
+    params = _as_list(params)
+    for t, what in ((values, "values"), (launch, "launch"), (anchor, "anchor")):
+        _check_flat(t, params, what, "apply_progress_")
+    _check_same_dtype(anchor, "anchor", params, "apply_progress_")
+    _check_same_dtype(launch, "launch", params, "apply_progress_")
+    storages = {t.untyped_storage().data_ptr() for t in (values, launch, anchor)}
+    if len(storages) < 3:  # a buffer passed twice: the reference reads before it writes
+        _fallback.apply_progress_(values, launch, params, anchor)
+        return
+    _feedback_impl(anchor, (values, launch, anchor), params).apply_progress_(
+        values, launch, params, anchor)
+
+
 # ---------------------------------------------------------------- blockwise quantization
 
 _QUANT_DTYPES = (torch.float32, torch.float64)
@@ -401,4 +436,5 @@ def dequantize_blocks(
 
 
 __all__ = ["backend", "flatten", "unflatten_", "delta", "apply_", "feedback_cast", "apply_delta_",
-           "split_like", "SUPPORTED_DTYPES", "QuantLayout", "quantize_blocks", "dequantize_blocks"]
+           "apply_progress_", "split_like", "SUPPORTED_DTYPES", "QuantLayout", "quantize_blocks",
+           "dequantize_blocks"]

@@ -180,7 +180,7 @@ class DeviceStorage:
         """Apply an overlapped round; the anchor becomes ``values``.
 
         ``mixing=None``: ``params <- params + (values - launch)``, keeping the local
-        progress made since the round began (``launch``: the parameters then; it is
+        progress made since the round began (``launch``: the parameters then; it may be
         overwritten). ``mixing=alpha``: ``params <- alpha * params + (1 - alpha) * values``.
         ``keep_nonnegative`` (``mixing=None``): a tensor that held no negative value at
         launch (a second moment, a running variance) is kept no lower than the smaller of
@@ -188,6 +188,11 @@ class DeviceStorage:
         average's gain; ``values`` serves as scratch for it.
         """
         values = self.on_device(values)
+        if (mixing is None and not keep_nonnegative and self.anchor is not None
+                and self.anchor.device == values.device):
+            ops.apply_progress_(values, launch, self.params, self.anchor)  # one pass
+            self.end_round()
+            return
         if self.anchor is not None:
             self.anchor.copy_(values)
         if mixing is not None:

@@ -1,4 +1,5 @@
-"""``ops.feedback_cast`` and ``ops.apply_delta_``: bit for bit against plain torch, in chunks.
+"""``ops.feedback_cast``, ``ops.apply_delta_`` and ``ops.apply_progress_``: bit for bit
+against plain torch, in chunks.
 
 The references here are written from the documented rule (float32 arithmetic, float64
 when a tensor is float64, one rounding per output) with whole-tensor torch ops; both
@@ -14,16 +15,18 @@ import torch
 from ddp_avg_hooks import _ext, _fallback, ops
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
-TIERS = {"reference": (_fallback.feedback_cast, _fallback.apply_delta_),
-         "foreach": (_fallback.foreach_feedback_cast, _fallback.foreach_apply_delta_),
+TIERS = {"reference": (_fallback.feedback_cast, _fallback.apply_delta_,
+                       _fallback.apply_progress_),
+         "foreach": (_fallback.foreach_feedback_cast, _fallback.foreach_apply_delta_,
+                     _fallback.foreach_apply_progress_),
          "ext": None, "ext_scalar": None}  # the extension, with its CPU vector bodies off
 KERNEL_DTYPES = (F32, F16, BF16)
 
 
 @pytest.fixture
 def tier_ops(request, tier):
-    """``(feedback_cast, apply_delta_)`` of one tier; the extension's only for the calls
-    it takes (kernel dtypes, the anchor in the parameters' dtype)."""
+    """``(feedback_cast, apply_delta_, apply_progress_)`` of one tier; the extension's only
+    for the calls it takes (kernel dtypes, the anchor in the parameters' dtype)."""
     if TIERS[tier] is not None:
         yield TIERS[tier]
         return
@@ -33,7 +36,7 @@ def tier_ops(request, tier):
     old = m._cpu_simd(-1)
     m._cpu_simd(0 if tier == "ext_scalar" else old)
     try:
-        yield m.feedback_cast, m.apply_delta_
+        yield m.feedback_cast, m.apply_delta_, m.apply_progress_
     finally:
         m._cpu_simd(old)
 
@@ -130,6 +133,47 @@ def test_apply_delta_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dtypes
     assert [p.data_ptr() for p in ps] == ptrs and [p.stride() for p in ps] == strides
 
 
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+@pytest.mark.parametrize("dtypes,values_dtype", [
+    ((F32,) * 4, F32), ((F32,) * 4, F16), ((BF16,) * 4, F32), ((BF16,) * 4, BF16),
+    ((F16,) * 4, F32), ((F64,) * 4, F32), ((F32,) * 4, F64)])
+def test_apply_progress_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dtypes,
+                                         values_dtype):
+    # an overlapped round: each parameter keeps its progress since the launch snapshot
+    monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
+    ps = _params(dtypes)
+    ptrs, strides = [p.data_ptr() for p in ps], [p.stride() for p in ps]
+    dt = dtypes[0]
+    g = torch.Generator().manual_seed(5)
+    n = sum(p.numel() for p in ps)
+    launch = (_flat_of(ps, F64) - torch.randn(n, generator=g, dtype=F64) * 1e-2).to(dt)
+    values = (launch.to(F64) + torch.randn(n, generator=g, dtype=F64) * 1e-3).to(values_dtype)
+    params_now = _flat_of(ps, dt)
+    # the rule, with whole-tensor ops: the correction rounded to the parameters' dtype,
+    # then added in their arithmetic (float32, float64 for float64)
+    correction = (values.to(_ct(values_dtype, dt)) - launch.to(_ct(values_dtype, dt))).to(dt)
+    want = (params_now.to(_ct(dt)) + correction.to(_ct(dt))).to(dt)
+    anchor, kept = torch.zeros(n, dtype=dt), launch.clone()
+    _ext_takes(tier, anchor, ps, values, launch)
+    tier_ops[2](values, launch, ps, anchor)
+    assert _bits_equal(_flat_of(ps, dt), want)
+    assert not torch.equal(want, values.to(dt))  # the progress was kept, not overwritten
+    assert _bits_equal(anchor, values.to(dt))
+    assert _bits_equal(launch, kept)
+    assert [p.data_ptr() for p in ps] == ptrs and [p.stride() for p in ps] == strides
+
+
+def test_apply_progress_takes_values_that_are_the_anchor():
+    # a hook may return the anchor itself (nothing changed): the parameters keep their
+    # progress, the anchor its values
+    ps = [torch.tensor([3.0, 5.0]), torch.tensor([7.0])]
+    anchor, launch = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([2.0, 4.0, 6.0])
+    ops.apply_progress_(anchor, launch, ps, anchor)
+    assert [p.tolist() for p in ps] == [[2.0, 3.0], [4.0]]
+    assert anchor.tolist() == [1.0, 2.0, 3.0] and launch.tolist() == [2.0, 4.0, 6.0]
+
+
 @pytest.mark.parametrize("tier", ["ext", "ext_scalar"])
 @pytest.mark.parametrize("pd,od,rd", [(F32, F16, BF16), (BF16, BF16, F32)])
 def test_extension_matches_the_foreach_tier_on_a_large_bucket(tier, tier_ops, pd, od, rd):
@@ -142,11 +186,13 @@ def test_extension_matches_the_foreach_tier_on_a_large_bucket(tier, tier_ops, pd
         anchor = _flat_of(ps, pd) + (torch.randn(1_200_004, generator=g) * 1e-2).to(pd)
         residual = (torch.randn(anchor.numel(), generator=g) * 1e-4).to(rd)
         outs = []
-        for feedback, apply_delta in (tier_ops, TIERS["foreach"]):
+        launch = (anchor.float() - 1e-3).to(pd)
+        for feedback, apply_delta, apply_progress in (tier_ops, TIERS["foreach"]):
             qs, a, r = [p.clone() for p in ps], anchor.clone(), residual.clone()
             o = torch.empty(a.numel(), dtype=od)
             feedback(a, qs, r, o, 0.5)
             apply_delta(a, o, qs)
+            apply_progress(o, launch, qs, a)
             outs.append((o, r, a, qs))
         for got, want in zip(*outs):
             for x, y in zip(got if isinstance(got, list) else [got],
@@ -179,6 +225,10 @@ def test_errors_name_the_argument():
         ops.apply_delta_(torch.zeros(4, dtype=F16), torch.zeros(4), ps)
     with pytest.raises(ValueError, match="apply_delta_: change must be a contiguous 1-D"):
         ops.apply_delta_(torch.zeros(4), torch.zeros(2, 2), ps)
+    with pytest.raises(TypeError, match="apply_progress_: launch has dtype torch.bfloat16 but"):
+        ops.apply_progress_(torch.zeros(4), torch.zeros(4, dtype=BF16), ps, torch.zeros(4))
+    with pytest.raises(ValueError, match="apply_progress_: anchor has 5 elements"):
+        ops.apply_progress_(torch.zeros(4), torch.zeros(4), ps, torch.zeros(5))
 
 
 def test_the_extension_takes_the_calls_its_kernels_can_run():
@@ -215,3 +265,10 @@ def test_cuda_kernels_match_the_cpu_reference(pd, od, rd):
     m.apply_delta_(da, change.cuda(), dps)
     assert _bits_equal(da.cpu(), want_new)
     assert _bits_equal(_flat_of([p.cpu() for p in dps], pd), want_new)
+    # an overlapped round's write, from the parameters just written
+    launch = (want_new.float() - 1e-2).to(pd)
+    values = (want_new.float() + (torch.randn(n, generator=g) * 1e-3)).to(od)
+    want_params = (want_new.float() + (values.float() - launch.float()).to(pd).float()).to(pd)
+    m.apply_progress_(values.cuda(), launch.cuda(), dps, da)
+    assert _bits_equal(_flat_of([p.cpu() for p in dps], pd), want_params)
+    assert _bits_equal(da.cpu(), values.to(pd))
