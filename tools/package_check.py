@@ -33,6 +33,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# a rank's "loss 0.071" (the example prints three decimals): found even where the two
+# ranks' prints interleave piece by piece, and nan or inf where one diverged
+_LOSS = r"loss (nan|-?inf|-?\d+\.\d{3})"
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # (script, ranks, arguments, what its output must hold); run in this order
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     "2", "train.py"], cwd=tmp, env=env, timeout=600).stdout
         stats = re.findall(r"AveragingStats\(rounds=\d+[^)]*\)", out)  # ranks may share a line
         _check(len(stats) == 2, f"expected the stats of 2 ranks, got:\n{out}")
-        losses = [float(v) for v in re.findall(r"loss (\S+) AveragingStats", out)]
+        losses = [float(v) for v in re.findall(_LOSS, out)]
         _check(len(losses) == 2 and all(0.0 <= v < 2.0 for v in losses),
                f"expected both ranks to train (a last loss below 2), got:\n{out}")
         print(*(f"loss {v} {s}" for v, s in zip(losses, stats)), sep="\n")
