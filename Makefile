@@ -91,6 +91,19 @@ bench: ext
 	    --variants ddp,none,ddp_powersgd,torch_localsgd,int8_streaming,int4_streaming,int4_streaming_interleaved,torchft_diloco,diloco_int4 \
 	    --out benchmarks/results/slow_link_25mbit_seed$$seed \
 	    --title "Slow link at 25 Mbit/s, best configurations against the peers: ~1M-parameter model, seed $$seed"; \
+	  for rate in 100 25; do \
+	    $(PY) benchmarks/bench_train.py --profiles $${rate}mbit --repeats 3 --seed $$seed \
+	      --variants ddp,none,ddp_powersgd,torch_localsgd,torchft_diloco,int4_streaming_interleaved,int2_streaming_interleaved_next_step \
+	      --variant-args "int2_streaming_interleaved_next_step=--period 4" \
+	      --out benchmarks/results/slow_link_2bit_$${rate}mbit_seed$$seed \
+	      --title "Slow link, 2-bit rounds at period 4 against the peers: $$rate Mbit/s, ~1M-parameter model, seed $$seed"; \
+	  done; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
+	    --variant-args "int2_streaming_interleaved_next_step=--period 4" \
+	    --variant-args "int2_streaming_interleaved=--period 4 --fragments 2 --overlap-steps 1" \
+	    --out benchmarks/results/ideas_2bit_period4_f2_seed$$seed \
+	    --title "Fewer steps and less own work: 2-bit rounds at period 4 in 4 or 2 fragments, applied at the next step, 100 Mbit/s, seed $$seed"; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --seed $$seed \
 	    --variants ddp,diloco,diloco_int4,diloco_int4_streaming,torchft_diloco,torchft_streaming_diloco \
 	    --out benchmarks/results/slow_link_diloco_int4_seed$$seed \
