@@ -147,8 +147,10 @@ def test_apply_progress_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dty
     dt = dtypes[0]
     g = torch.Generator().manual_seed(5)
     n = sum(p.numel() for p in ps)
-    launch = (_flat_of(ps, F64) - torch.randn(n, generator=g, dtype=F64) * 1e-2).to(dt)
-    values = (launch.to(F64) + torch.randn(n, generator=g, dtype=F64) * 1e-3).to(values_dtype)
+    for p in ps:  # small against the corrections, so that both roundings of the rule show
+        p.mul_(1e-3)
+    launch = torch.randn(n, generator=g, dtype=F64).to(dt)
+    values = (launch.to(F64) + torch.randn(n, generator=g, dtype=F64)).to(values_dtype)
     params_now = _flat_of(ps, dt)
     # the rule, with whole-tensor ops: the correction rounded to the parameters' dtype,
     # then added in their arithmetic (float32, float64 for float64)
