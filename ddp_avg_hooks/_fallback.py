@@ -336,14 +336,6 @@ def foreach_apply_progress_(values: torch.Tensor, launch: torch.Tensor,
     the anchor takes ``values``: no temporary the size of the bucket.
     """
     for dt, (ps, vv, lv, av) in _groups(params, values, launch, anchor).items():
-        ct = _compute_dtype(values.dtype, dt)
-        for (a, v, lo), n in _batches(_chunk_limit(ps), av, vv, lv):
-            dev = a[0].device
-            x = split_like(_scratch(n, ct, dev), a)
-            widened = split_like(_scratch(n, ct, dev, slot=1), a)
-            torch._foreach_copy_(x, v)
-            torch._foreach_copy_(widened, lo)  # same-dtype sub: the fast path on CPU
-            torch._foreach_sub_(x, widened)
-            torch._foreach_copy_(a, x)  # the correction, rounded to the parameters' dtype
+        _scaled(_compute_dtype(values.dtype, dt), av, vv, lv, 1.0)  # the corrections
         torch._foreach_add_(ps, av)
         torch._foreach_copy_(av, vv)
