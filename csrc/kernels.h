@@ -31,7 +31,9 @@
  * multiple of 4 bytes], piece_bytes = 4 * blocks + round_up(piece_elems * bits / 8, 4).
  * int8 codes: q as int8; int4 codes: q + 8 in a nibble, value 2i low, 2i + 1 high. Q = 127
  * (int8) or 7 (int4), c = (float)(1.0 / Q):
- *   quantize:   v[j] = e_in ? x[j] + e_in[j] : x[j] for j < numel, 0 up to pieces *
+ *   quantize:   x'[j] = minus ? (x[j] - minus[j]) * scale : x[j] (a change, each step
+ *               rounded to float32, as delta computes it), v[j] = e_in ? x'[j] + e_in[j] :
+ *               x'[j] for j < numel, 0 up to pieces *
  *               piece_elems; per block scale = max|v| * c, d = scale == 0 ? 1 : scale,
  *               q[j] = clamp(round_half_even(v[j] / d), -Q, Q), e_out[j] = v[j] - q[j] *
  *               scale (j < numel). e_in and e_out may be NULL, may alias x or each other.
@@ -84,9 +86,9 @@ int dah_apply_progress_cpu(const void* values, int values_dtype, const void* lau
                            int64_t n, int param_dtype, void* anchor, int num_threads);
 /* the vector bodies of the quantization kernels (dah_cpu_simd switches them too) */
 int dah_quantize_simd(int mode);
-int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
-                     int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
-                     float* e_out, int num_threads);
+int dah_quantize_cpu(const float* x, const float* minus, float scale, const float* e_in,
+                     int64_t numel, int bits, int64_t block, int64_t pieces, int64_t piece_elems,
+                     int64_t piece_bytes, uint8_t* packed, float* e_out, int num_threads);
 int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t pieces,
                        int64_t piece_elems, int64_t piece_bytes, const float* base, float* out,
                        int64_t numel, int sum_pieces, int num_threads);
@@ -107,9 +109,9 @@ int dah_delta_cuda(const void* anchor, int anchor_dtype, const void* const* para
 int dah_apply_cuda(const void* flat, int flat_dtype, void* const* params, const int64_t* numels,
                    const int64_t* offsets, int64_t n, int param_dtype, void* anchor,
                    void* stream);
-int dah_quantize_cuda(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
-                      int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
-                      float* e_out, void* stream);
+int dah_quantize_cuda(const float* x, const float* minus, float scale, const float* e_in,
+                      int64_t numel, int bits, int64_t block, int64_t pieces, int64_t piece_elems,
+                      int64_t piece_bytes, uint8_t* packed, float* e_out, void* stream);
 int dah_dequantize_cuda(const uint8_t* packed, int bits, int64_t block, int64_t pieces,
                         int64_t piece_elems, int64_t piece_bytes, const float* base, float* out,
                         int64_t numel, int sum_pieces, void* stream);

@@ -356,16 +356,18 @@ void run_on(const char* op, const at::Tensor& packed, const Cpu& cpu, const Cuda
 void quantize_blocks(const at::Tensor& x, const std::optional<at::Tensor>& e_in,
                      const at::Tensor& packed, const std::optional<at::Tensor>& e_out,
                      int64_t bits, int64_t block, int64_t pieces, int64_t piece_elems,
-                     int64_t piece_bytes) {
+                     int64_t piece_bytes, const std::optional<at::Tensor>& minus, double scale) {
   const char* op = "quantize_blocks";
   check_payload(op, packed, pieces, piece_bytes);
   check_values(op, x, packed);
-  for (const auto* e : {&e_in, &e_out})
+  for (const auto* e : {&e_in, &e_out, &minus})
     if (e->has_value()) {
       check_values(op, **e, packed);
-      TORCH_CHECK((*e)->numel() == x.numel(), op, ": residuals must have x's size");
+      TORCH_CHECK((*e)->numel() == x.numel(), op, ": residuals and minus must have x's size");
     }
   const float* xp = x.data_ptr<float>();
+  const float* mp = ptr_or_null(minus);
+  const float sc = static_cast<float>(scale);
   const float* ep = ptr_or_null(e_in);
   float* eo = e_out.has_value() ? e_out->data_ptr<float>() : nullptr;
   uint8_t* pk = packed.data_ptr<uint8_t>();
@@ -373,12 +375,12 @@ void quantize_blocks(const at::Tensor& x, const std::optional<at::Tensor>& e_in,
   run_on(
       op, packed,
       [&](int threads) {
-        return dah_quantize_cpu(xp, ep, x.numel(), b, block, pieces, piece_elems, piece_bytes,
-                                pk, eo, threads);
+        return dah_quantize_cpu(xp, mp, sc, ep, x.numel(), b, block, pieces, piece_elems,
+                                piece_bytes, pk, eo, threads);
       },
       [&](void* stream) {
-        return dah_quantize_cuda(xp, ep, x.numel(), b, block, pieces, piece_elems, piece_bytes,
-                                 pk, eo, stream);
+        return dah_quantize_cuda(xp, mp, sc, ep, x.numel(), b, block, pieces, piece_elems,
+                                 piece_bytes, pk, eo, stream);
       });
   bump(packed);
   if (e_out.has_value()) bump(*e_out);
@@ -443,10 +445,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "params <- params + (values - launch), anchor <- values (an overlapped round)",
         py::arg("values"), py::arg("launch"), py::arg("params"), py::arg("anchor"), release());
   m.def("quantize_blocks", &quantize_blocks,
-        "blockwise absmax quantization of x (+ e_in) into packed; e_out <- what it lost",
+        "blockwise quantization of x, or of (x - minus) * scale, (+ e_in) into packed; "
+        "e_out <- what it lost",
         py::arg("x"), py::arg("e_in"), py::arg("packed"), py::arg("e_out"), py::arg("bits"),
         py::arg("block"), py::arg("pieces"), py::arg("piece_elems"), py::arg("piece_bytes"),
-        release());
+        py::arg("minus") = py::none(), py::arg("scale") = 1.0, release());
   m.def("dequantize_blocks", &dequantize_blocks,
         "out <- the payload's values (base - them), or the sum of its pieces",
         py::arg("packed"), py::arg("base"), py::arg("out"), py::arg("bits"), py::arg("block"),

@@ -2,7 +2,9 @@
 // torch headers.
 //
 // quantize makes one pass over each block (x + e_in is read twice while the block is in
-// cache: once for the absolute maximum, once for the codes and e_out); dequantize makes
+// cache: once for the absolute maximum, once for the codes and e_out; with `minus`, the
+// block's (x - minus) * scale is made first, into a block-size buffer of the thread, so
+// a change is quantized without a pass that writes it out); dequantize makes
 // one pass over its output, summing the pieces block by block. Blocks are split over up
 // to num_threads std::threads (small calls run on the calling thread). On x86-64 CPUs with
 // AVX2 (checked at run time, and switched with dah_cpu_simd) 8 values go at a time. Both
@@ -117,6 +119,16 @@ DAH_AVX2 int64_t absmax_avx2(const float* x, const float* e, int64_t n, float* a
   std::memcpy(&r, &bits, sizeof r);
   r = nan_max(*amax, r);
   *amax = std::isnan(r) ? std::numeric_limits<float>::quiet_NaN() : r;  // torch's nan
+  return j;
+}
+
+// o[j] = (x[j] - m[j]) * s for the 8-value groups of n values; returns how many it covered.
+DAH_AVX2 int64_t change_avx2(const float* x, const float* m, float s, float* o, int64_t n) {
+  const __m256 vs = _mm256_set1_ps(s);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j),
+                                                        _mm256_loadu_ps(m + j)), vs));
   return j;
 }
 
@@ -313,6 +325,16 @@ void quant_block_2bit(const float* x, const float* e, float* e_out, int64_t vali
   }
 }
 
+// o[j] = (x[j] - m[j]) * s, j < n: a change, as the delta kernel computes it (a
+// subtraction, then a multiplication, each rounded to float32)
+void change(const float* x, const float* m, float s, float* o, int64_t n) {
+  int64_t j = 0;
+#ifdef DAH_Q_AVX2
+  if (kAvx2) j = change_avx2(x, m, s, o, n);
+#endif
+  for (; j < n; ++j) o[j] = (x[j] - m[j]) * s;
+}
+
 // One block: values x[0..valid) (+ e), zeros up to L.block.
 void quant_block(const Layout& L, const float* x, const float* e, float* e_out, int64_t valid,
                  float* scale_out, uint8_t* codes) {
@@ -370,19 +392,25 @@ int dah_quantize_simd(int mode) {
 #endif
 }
 
-int dah_quantize_cpu(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
-                     int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
-                     float* e_out, int num_threads) {
+int dah_quantize_cpu(const float* x, const float* minus, float scale, const float* e_in,
+                     int64_t numel, int bits, int64_t block, int64_t pieces, int64_t piece_elems,
+                     int64_t piece_bytes, uint8_t* packed, float* e_out, int num_threads) {
   Layout L;
   if (!make_layout(bits, block, pieces, piece_elems, piece_bytes, &L) || numel < 0 ||
       numel > pieces * piece_elems)
     return DAH_EARG;
   parallel_blocks(pieces * L.blocks, block, num_threads, [&](int64_t lo, int64_t hi) {
+    std::vector<float> made(minus == nullptr ? 0 : static_cast<size_t>(block));
     for (int64_t k = lo; k < hi; ++k) {
       const int64_t p = k / L.blocks, b = k % L.blocks;
       const int64_t g0 = p * piece_elems + b * block;
       const int64_t valid = std::min(std::max<int64_t>(numel - g0, 0), block);
-      quant_block(L, x + g0, e_in == nullptr ? nullptr : e_in + g0,
+      const float* v = x + g0;
+      if (minus != nullptr) {  // this block's change, while it is in cache
+        change(x + g0, minus + g0, scale, made.data(), valid);
+        v = made.data();
+      }
+      quant_block(L, v, e_in == nullptr ? nullptr : e_in + g0,
                   e_out == nullptr ? nullptr : e_out + g0, valid, L.scales(packed, p) + b,
                   packed + L.codes_offset(p) + b * block * bits / 8);
     }

@@ -43,8 +43,18 @@ __device__ __forceinline__ int64_t codes_offset(const QLayout& L, int64_t p) {
   return p * L.piece_bytes + 4 * L.blocks;
 }
 
-__device__ __forceinline__ float value(const float* x, const float* e, int64_t g) {
-  return e == nullptr ? x[g] : __fadd_rn(x[g], e[g]);
+// what a block quantizes: x, or the change (x - minus) * scale; plus the residual e
+struct QInput {
+  const float* x;
+  const float* minus;  // may be NULL
+  float scale;
+  const float* e;  // may be NULL
+};
+
+__device__ __forceinline__ float value(const QInput& in, int64_t g) {
+  const float x = in.minus == nullptr ? in.x[g]
+                                      : __fmul_rn(__fsub_rn(in.x[g], in.minus[g]), in.scale);
+  return in.e == nullptr ? x : __fadd_rn(x, in.e[g]);
 }
 
 // the code of a value, as a float: clamp(round_half_even(v / divisor), -Q, Q); 0 in a
@@ -69,8 +79,7 @@ __device__ __forceinline__ float nan_max(float r, float a) {
 }
 
 __global__ void __launch_bounds__(kThreads)
-    quantize_kernel(QLayout L, const float* x, const float* e_in, int64_t numel, uint8_t* packed,
-                    float* e_out) {
+    quantize_kernel(QLayout L, QInput in, int64_t numel, uint8_t* packed, float* e_out) {
   const int lane = threadIdx.x % 32;
   const int64_t total = L.pieces * L.blocks;
   for (int64_t k = int64_t{blockIdx.x} * kWarps + threadIdx.x / 32; k < total;
@@ -80,7 +89,7 @@ __global__ void __launch_bounds__(kThreads)
     int64_t valid = numel - g0;
     valid = valid < 0 ? 0 : (valid > L.block ? L.block : valid);
     float amax = 0.0f;
-    for (int64_t j = lane; j < valid; j += 32) amax = nan_max(amax, fabsf(value(x, e_in, g0 + j)));
+    for (int64_t j = lane; j < valid; j += 32) amax = nan_max(amax, fabsf(value(in, g0 + j)));
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float scale = __fmul_rn(amax, L.inv_qmax);
@@ -90,7 +99,7 @@ __global__ void __launch_bounds__(kThreads)
       long long k = 0;
       if (isfinite(amax) && amax != 0.0f) {
         for (int64_t j = lane; j < valid; j += 32) {
-          const float t = __fdiv_rn(value(x, e_in, g0 + j), amax);
+          const float t = __fdiv_rn(value(in, g0 + j), amax);
           k += static_cast<long long>(floorf(__fmul_rn(__fmul_rn(t, t), 16777216.0f)));
         }
       }
@@ -110,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t j = lane; j < L.block; j += 32) {
         float c = 0.0f;
         if (j < valid) {
-          const float v = value(x, e_in, g0 + j);
+          const float v = value(in, g0 + j);
           c = quant_one(L, v, divisor, finite);
           if (e_out != nullptr) e_out[g0 + j] = __fsub_rn(v, __fmul_rn(c, scale));
         }
@@ -121,7 +130,7 @@ __global__ void __launch_bounds__(kThreads)
         int byte = 0;
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          const float v = j + h < valid ? value(x, e_in, g0 + j + h) : 0.0f;
+          const float v = j + h < valid ? value(in, g0 + j + h) : 0.0f;
           const float c = quant_2bit(v, divisor, finite);
           if (j + h < valid && e_out != nullptr)
             e_out[g0 + j + h] = __fsub_rn(v, __fmul_rn(c, scale));
@@ -136,7 +145,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int h = 0; h < 2; ++h) {
           float c = 0.0f;
           if (j + h < valid) {
-            const float v = value(x, e_in, g0 + j + h);
+            const float v = value(in, g0 + j + h);
             c = quant_one(L, v, divisor, finite);
             if (e_out != nullptr) e_out[g0 + j + h] = __fsub_rn(v, __fmul_rn(c, scale));
           }
@@ -190,9 +199,9 @@ unsigned grid_for(int64_t items, int64_t per_block) {
 
 extern "C" {
 
-int dah_quantize_cuda(const float* x, const float* e_in, int64_t numel, int bits, int64_t block,
-                      int64_t pieces, int64_t piece_elems, int64_t piece_bytes, uint8_t* packed,
-                      float* e_out, void* stream) {
+int dah_quantize_cuda(const float* x, const float* minus, float scale, const float* e_in,
+                      int64_t numel, int bits, int64_t block, int64_t pieces, int64_t piece_elems,
+                      int64_t piece_bytes, uint8_t* packed, float* e_out, void* stream) {
   QLayout L;
   if (!make_layout(bits, block, pieces, piece_elems, piece_bytes, &L) || numel < 0 ||
       numel > pieces * piece_elems)
@@ -200,7 +209,7 @@ int dah_quantize_cuda(const float* x, const float* e_in, int64_t numel, int bits
   const int64_t total = pieces * L.blocks;
   if (total == 0) return 0;
   quantize_kernel<<<grid_for(total, kWarps), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      L, x, e_in, numel, packed, e_out);
+      L, QInput{x, minus, scale, e_in}, numel, packed, e_out);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -168,12 +168,19 @@ class QuantLayout:
 @torch.no_grad()
 def quantize_blocks(x: torch.Tensor, packed: torch.Tensor, layout: QuantLayout,
                     residual: torch.Tensor | None = None,
-                    residual_out: torch.Tensor | None = None) -> None:
+                    residual_out: torch.Tensor | None = None,
+                    minus: torch.Tensor | None = None, scale: float = 1.0) -> None:
     """Quantize ``v = x + residual`` (``x`` alone when ``residual`` is None) into ``packed``;
-    ``residual_out`` (may alias ``x`` or ``residual``) receives ``v - D``."""
+    ``residual_out`` (may alias ``x`` or ``residual``) receives ``v - D``. With ``minus``,
+    ``x`` stands for the change ``(x - minus) * scale`` (each step rounded to ``x``'s
+    dtype, as ``ops.delta`` computes it)."""
     n, ct = x.numel(), x.dtype
     v = torch.zeros(layout.elems, dtype=ct, device=x.device)
-    if residual is None:
+    if minus is not None:
+        torch.sub(x, minus, out=v[:n]).mul_(scale)
+        if residual is not None:
+            v[:n].add_(residual)
+    elif residual is None:
         v[:n].copy_(x)
     else:
         torch.add(x, residual, out=v[:n])

@@ -90,7 +90,8 @@ class ParamBucket:
 
     For hooks: the ``GradBucket`` shape (:meth:`index`, :meth:`buffer`,
     :meth:`parameters`, :meth:`is_last`, :meth:`set_buffer`) plus :meth:`numel`,
-    :meth:`anchor`, :meth:`stored_anchor`, :meth:`delta`, :meth:`scaled_buffer`,
+    :meth:`anchor`, :meth:`stored_anchor`, :meth:`delta`, :meth:`quantize_delta`,
+    :meth:`scaled_buffer`,
     :meth:`workspace`, :meth:`scratch`, :meth:`mark_result_as_delta`,
     :meth:`mark_result_as_values`, :attr:`result_is_delta`, :meth:`defer`,
     :meth:`new_state`, :meth:`memory`, :meth:`record_sent`, :attr:`overlapped` and the
@@ -280,6 +281,46 @@ class ParamBucket:
         ops.feedback_cast(anchor, params, here, out, scale)
         storage.commit(residual, here)
         return out
+
+    @torch.no_grad()
+    def quantize_delta(self, packed: torch.Tensor, layout: ops.QuantLayout, *,
+                       scale: float = 1.0, residual: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> None:
+        """Quantize ``delta(scale=scale) + residual`` blockwise into ``packed``
+        (:func:`ops.quantize_blocks <ddp_avg_hooks.ops.quantize_blocks>`); ``residual``
+        (``numel()`` elements of the compute dtype), when given, becomes what the rounding
+        lost.
+
+        The change is in float32 (float64 for float64 parameters). In an overlapped round
+        of float32 or float64 parameters it is made from the round's launch snapshot
+        block by block as the codes are, in one pass; otherwise :meth:`delta` writes it
+        into ``out`` (default: a scratch buffer) first. The codes and the residual are
+        the same bits either way.
+
+        Example:
+            >>> import torch
+            >>> from ddp_avg_hooks import ops
+            >>> from ddp_avg_hooks.bucket import ParamBucket
+            >>> p = torch.nn.Parameter(torch.zeros(4))
+            >>> b = ParamBucket(0, [p], is_last=True, keep_anchor=True)
+            >>> with torch.no_grad():
+            ...     _ = p.copy_(torch.tensor([-2.0, 0.0, 0.0, 1.0]))
+            >>> layout = ops.QuantLayout.for_bucket(4, 1, 4, 8)
+            >>> packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+            >>> b.quantize_delta(packed, layout, scale=0.5)
+            >>> ops.dequantize_blocks(packed, layout, torch.empty(4)).tolist()
+            [1.0, 0.0, 0.0, -0.5]
+        """
+        ct = torch.float64 if self.dtype == torch.float64 else torch.float32
+        if self._round.overlapped and self._launch is not None and self.dtype == ct:
+            if not self.has_anchor():
+                raise self._no_anchor()
+            ops.quantize_blocks(self._storage.op_anchor(), packed, layout, residual=residual,
+                                residual_out=residual, minus=self._launch,
+                                scale=scale * self._round.scale)
+            return
+        change = self.delta(ct, scale=scale, out=out)
+        ops.quantize_blocks(change, packed, layout, residual=residual, residual_out=residual)
 
     def scratch(self, key, *, dtype: torch.dtype | None = None,
                 numel: int | None = None) -> torch.Tensor:

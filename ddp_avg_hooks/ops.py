@@ -374,12 +374,29 @@ def quantize_blocks(
     *,
     residual: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    minus: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> None:
     """Quantize ``x + residual`` blockwise into ``packed``.
 
     ``x`` (float32 or float64) holds at most ``layout.elems`` values, the rest count as
     zeros; ``residual`` and ``residual_out`` (what the rounding lost, ``v - D``) are
     like ``x`` and may alias it or each other.
+
+    ``minus`` (like ``x``): quantize the change ``(x - minus) * scale + residual``
+    instead, the change made block by block as the codes are (no pass that writes it
+    out). It equals ``ops.delta(x, [minus], d, scale)`` followed by
+    ``quantize_blocks(d, ...)``, bit for bit; ``scale`` is ignored without ``minus``.
+
+    Example:
+        >>> import torch
+        >>> from ddp_avg_hooks import ops
+        >>> layout = ops.QuantLayout.for_bucket(4, 1, 4, 8)
+        >>> packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        >>> ops.quantize_blocks(torch.tensor([3.0, 1.0, 1.0, 1.0]), packed, layout,
+        ...                     minus=torch.tensor([1.0, 1.0, 1.0, 0.0]), scale=0.5)
+        >>> ops.dequantize_blocks(packed, layout, torch.empty(4)).tolist()  # (x - minus) / 2
+        [1.0, 0.0, 0.0, 0.5]
     """
     op = "quantize_blocks"
     _check_packed(packed, layout, op)
@@ -387,16 +404,22 @@ def quantize_blocks(
     if x.numel() > layout.elems:
         raise ValueError(f"{op}: x has {x.numel()} elements but the layout holds {layout.elems}")
     tensors = [packed, x]
-    for t, what in ((residual, "residual"), (residual_out, "residual_out")):
+    for t, what in ((residual, "residual"), (residual_out, "residual_out"), (minus, "minus")):
         if t is not None:
             _check_like(t, x, what, "x", op)
             tensors.append(t)
+    if minus is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"{op}: scale must be a Python float, got {type(scale).__name__}")
     ext = _quant_impl(tensors)
     if ext is None:
-        _quantize.quantize_blocks(x, packed, layout, residual, residual_out)
-    else:
+        _quantize.quantize_blocks(x, packed, layout, residual, residual_out, minus, scale)
+    elif minus is None:
         ext.quantize_blocks(x, residual, packed, residual_out, layout.bits, layout.block_size,
                             layout.pieces, layout.piece_elems, layout.piece_bytes)
+    else:
+        ext.quantize_blocks(x, residual, packed, residual_out, layout.bits, layout.block_size,
+                            layout.pieces, layout.piece_elems, layout.piece_bytes,
+                            minus, float(scale))
 
 
 def dequantize_blocks(

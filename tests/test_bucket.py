@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from ddp_avg_hooks import ops
 from ddp_avg_hooks.bucket import BucketRound, ParamBucket, assign_buckets
 from ddp_avg_hooks import storage as storage_module
 from ddp_avg_hooks.storage import DeviceStorage, HostStorage, ZeroCopyStorage
@@ -75,6 +76,59 @@ def test_a_weighted_round_shows_the_scaled_change():
     b.begin_round(0.5)
     torch.testing.assert_close(b.buffer(), anchor + 0.5 * (_flat(ps) - anchor), rtol=0, atol=1e-6)
     torch.testing.assert_close(b.delta(), 0.5 * (anchor - _flat(ps)), rtol=0, atol=1e-6)
+
+
+def _codes_of(change: torch.Tensor, residual: torch.Tensor | None, bits: int):
+    """The reference for ``quantize_delta``: the plain-PyTorch quantizer over a change
+    computed here, as ``(anchor - params) * scale`` in the compute dtype."""
+    from ddp_avg_hooks import _quantize
+    layout = ops.QuantLayout.for_bucket(change.numel(), 1, 8, bits)
+    packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    _quantize.quantize_blocks(change, packed, layout, residual, residual)
+    return layout, packed
+
+
+@pytest.mark.parametrize("storage", ["device", "host"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("weight", [1.0, 0.75])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_quantize_delta_codes_the_change_of_the_parameters(storage, dtype, weight, bits):
+    """Overlapped (from the launch snapshot, in one pass) or not, weighted or not, the
+    codes and the residual are the reference quantizer's over the change, bit for bit;
+    a blocking round after an overlapped one reads the parameters, not the stale snapshot."""
+    ps = [p.detach().to(dtype).requires_grad_() for p in _params()]
+    b = ParamBucket(0, ps, is_last=True, keep_anchor=True, storage=STORAGES[storage])
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    anchor = _flat(ps).to(ct)
+    for by, overlapped in ((0.37, True), (-0.5, False)):
+        _move(ps, by)
+        b.begin_round(weight, overlapped=overlapped)
+        change = (anchor - _flat(ps).to(ct)) * (0.5 * weight)
+        residual = torch.linspace(-1e-3, 1e-3, 17, dtype=ct)
+        layout, want = _codes_of(change, want_res := residual.clone(), bits)
+        packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        b.quantize_delta(packed, layout, scale=0.5, residual=residual)
+        assert torch.equal(packed, want), (overlapped, "codes")
+        assert torch.equal(residual, want_res), (overlapped, "residual")
+        b.apply(b.anchor().clone(), overlapped=overlapped)  # the anchor stays, params follow
+        anchor = _flat(ps).to(ct) if not overlapped else anchor
+
+
+def test_quantize_delta_without_anchor_or_residual():
+    ps = _params()
+    layout = ops.QuantLayout.for_bucket(17, 1, 8, 4)
+    packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    b = ParamBucket(0, ps, is_last=True)
+    b.begin_round(overlapped=True)
+    with pytest.raises(RuntimeError, match="bucket 0 keeps no anchor"):
+        b.quantize_delta(packed, layout)
+    b = ParamBucket(0, ps, is_last=True, keep_anchor=True)
+    start = _flat(ps)
+    b.begin_round(overlapped=True)
+    _move(ps, 0.5)  # after the launch: the round's change is the launch's, zero
+    b.quantize_delta(packed, layout)
+    assert not ops.dequantize_blocks(packed, layout, torch.empty(17)).any()
+    assert torch.equal(b.anchor(), start)
 
 
 @pytest.mark.parametrize("storage", STORAGES)

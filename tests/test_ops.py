@@ -704,6 +704,73 @@ def test_quantize_kernels_match_reference(qext, device, bits, numel, block, piec
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("numel,block,pieces,piece_elems", QLAYOUTS)
+def test_quantize_of_a_change_is_delta_then_quantize(qext, device, bits, numel, block, pieces,
+                                                     piece_elems):
+    """``minus=``: the codes and residual of ``(x - minus) * scale (+ residual)`` are those
+    of the change written out by ``delta`` and then quantized, in the kernels (vector and
+    scalar bodies, residual aliased or not) as in the reference, bit for bit."""
+    if device == "cuda" and not qext.m.with_cuda():
+        pytest.skip("extension built without CUDA")
+    if bits == 2 and block % 4:
+        block *= 2
+    case = "large" if numel > 100_000 else "small"
+    if case == "large" and qext.m._cpu_simd(-1) == 0 and device == "cpu":
+        pytest.skip("ext_scalar: the small cases cover the scalar bodies")
+    layout = _qlayout(numel, block, pieces, piece_elems, bits)
+    x = _finite(numel, seed=90 + bits).to(device)
+    minus = (x + _finite(numel, seed=91) * 1e-2).to(device)
+    e = (_finite(numel, seed=92) * 1e-4).to(device)
+    scale = 1.0 / 3.0  # rounded to float32, as the delta kernel rounds it
+    change = _fallback.delta(x, [minus], torch.empty_like(x), scale)
+    for residual in (None, e):
+        want, want_e = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device), None
+        if residual is not None:
+            want_e = residual.clone()
+        _quantize.quantize_blocks(change, want, layout, want_e, want_e)
+        for impl in ("kernel", "reference"):
+            got = torch.zeros_like(want)  # the kernels leave the padding bytes as they are
+            got_e = None if residual is None else residual.clone()
+            with op_threads(case):
+                if impl == "kernel":
+                    qext.m.quantize_blocks(x, got_e, got, got_e, layout.bits, layout.block_size,
+                                           layout.pieces, layout.piece_elems, layout.piece_bytes,
+                                           minus, scale)
+                else:
+                    _quantize.quantize_blocks(x, got, layout, got_e, got_e, minus, scale)
+            assert torch.equal(got.cpu(), want.cpu()), (impl, residual is None)
+            if residual is not None:
+                assert_bits(got_e, want_e, f"{impl} residual")
+    if numel:  # the change differs from x: the option is not ignored
+        plain = torch.zeros_like(want)
+        _quantize.quantize_blocks(x, plain, layout)
+        assert not torch.equal(plain, want)
+
+
+def test_quantize_of_a_change_through_ops():
+    """``ops.quantize_blocks(..., minus=, scale=)``: the extension (float32) and the
+    reference (float64) against the change computed here; bad ``minus`` refused."""
+    layout = ops.QuantLayout.for_bucket(500, 2, 16, 4)
+    for dt in (torch.float32, torch.float64):
+        x = _finite(500, seed=93).to(dt)
+        minus = x + _finite(500, seed=94).to(dt)
+        r = torch.zeros(500, dtype=dt)
+        got = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        ops.quantize_blocks(x, got, layout, residual=r, residual_out=r, minus=minus, scale=0.5)
+        want, wr = torch.zeros_like(got), torch.zeros(500, dtype=dt)
+        _quantize.quantize_blocks((x - minus) * 0.5, want, layout, wr, wr)
+        assert torch.equal(got, want) and torch.equal(r, wr), dt
+    x = torch.zeros(500)
+    with pytest.raises(ValueError, match="quantize_blocks: minus has 499 elements but x has 500"):
+        ops.quantize_blocks(x, got, layout, minus=torch.zeros(499))
+    with pytest.raises(TypeError, match="quantize_blocks: minus has dtype torch.float64"):
+        ops.quantize_blocks(x, got, layout, minus=torch.zeros(500, dtype=torch.float64))
+    with pytest.raises(TypeError, match="quantize_blocks: scale must be a Python float"):
+        ops.quantize_blocks(x, got, layout, minus=x, scale=torch.tensor(0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=str)
 def test_quantize_kernels_keep_nan_and_inf(qext, device, bits, bad):
     """A block holding nan or inf decodes to nan in every value, in the kernels (vector and

@@ -227,21 +227,22 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
 
 
 def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
-                    delta: torch.Tensor, residual, anchor: torch.Tensor,
+                    work: torch.Tensor, residual, anchor: torch.Tensor,
                     out: torch.Tensor) -> torch.futures.Future:
     """One or two ranks: every rank's codes to every rank in one all-gather, dequantized
-    and added in rank order on each (no requantization)."""
+    and added in rank order on each (no requantization). ``work``: a compute-dtype
+    buffer of the bucket's size, for the change and then the sum."""
     n, numel = dist.get_world_size(group), bucket.numel()
     mine = QuantLayout.for_bucket(numel, 1, block_size, bits)  # this rank's whole delta
     gathered = mine.stacked(n)  # the ranks' payloads back to back
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=mine.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=gathered.total_bytes)
-    ops.quantize_blocks(delta, send, mine, residual=residual, residual_out=residual)
+    bucket.quantize_delta(send, mine, scale=1.0 / n, residual=residual, out=work)
     bucket.record_sent(*mine.payload(send, numel))
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()  # raises if the all-gather failed
-        total = ops.dequantize_blocks(recv, gathered, delta, sum_pieces=True)
+        total = ops.dequantize_blocks(recv, gathered, work, sum_pieces=True)
         if out.dtype == total.dtype:  # total is the workspace itself: new = anchor - T
             return torch.sub(anchor, total, out=out)
         return _sub_(anchor, total, out)
@@ -258,16 +259,17 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     n, rank, numel = dist.get_world_size(group), dist.get_rank(group), bucket.numel()
     ct = _compute_dtype(bucket)
     anchor, out = bucket.anchor(), bucket.workspace()  # every element is overwritten
-    # the delta is read for the last time before the result overwrites the workspace
-    delta = bucket.delta(ct, scale=1.0 / n, out=out if out.dtype == ct else None)
+    # the change and the sum are read for the last time before the result overwrites
+    # the workspace
+    work = out if out.dtype == ct else bucket.scratch(("delta", ct), dtype=ct)
     if n <= 2:
-        return _gathered_round(bucket, group, bits, block_size, delta, residual, anchor, out)
+        return _gathered_round(bucket, group, bits, block_size, work, residual, anchor, out)
     layout = QuantLayout.for_bucket(numel, n, block_size, bits)
     # the payload buffers, reused round after round; send doubles as the all-gather's
     # output once the all-to-all has read it
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=layout.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=layout.total_bytes)
-    ops.quantize_blocks(delta, send, layout, residual=residual, residual_out=residual)
+    bucket.quantize_delta(send, layout, scale=1.0 / n, residual=residual, out=work)
     bucket.record_sent(*layout.payload(send, numel))
     exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
     result = torch.futures.Future()
@@ -291,7 +293,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
         exchange.wait()
         size, start = layout.piece_bytes, rank * layout.piece_elems
         valid = min(max(numel - start, 0), layout.piece_elems)
-        total = ops.dequantize_blocks(recv, layout, delta[:valid], sum_pieces=True)
+        total = ops.dequantize_blocks(recv, layout, work[:valid], sum_pieces=True)
         mine = send[rank * size : (rank + 1) * size]
         ops.quantize_blocks(total, mine, layout.one_piece(),
                             residual_out=total if residual is not None else None)
@@ -305,7 +307,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
             if out.dtype == ct:  # new = anchor - R in one pass
                 value = ops.dequantize_blocks(send, layout, out, base=anchor)
             else:
-                value = _sub_(anchor, ops.dequantize_blocks(send, layout, delta), out)
+                value = _sub_(anchor, ops.dequantize_blocks(send, layout, work), out)
         except Exception as exc:
             result.set_exception(exc)
         else:
