@@ -52,6 +52,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -90,6 +91,7 @@ class QuantLayout:
             )
 
     @classmethod
+    @functools.lru_cache(maxsize=1024)  # a round asks again for the same few layouts
     def for_bucket(cls, numel: int, world_size: int, block_size: int, bits: int) -> QuantLayout:
         """One piece per rank, each a whole number of blocks, covering ``numel`` values."""
         blocks = max(1, -(-numel // (world_size * block_size)))
@@ -126,6 +128,7 @@ class QuantLayout:
         """The layout of a single piece of this one."""
         return dataclasses.replace(self, pieces=1)
 
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - frozen, a few per registration
     def stacked(self, count: int) -> QuantLayout:
         """``count`` payloads of this one-piece layout back to back, each a piece: what an
         all-gather of it returns (``dequantize_blocks(..., sum_pieces=True)`` adds them).
@@ -149,6 +152,21 @@ class QuantLayout:
         rows = packed.view(self.pieces, self.piece_bytes)
         start = 4 * self.blocks
         return rows[:, start : start + self.piece_elems * self.bits // 8]
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - frozen, a few per registration
+    def payload_bytes(self, numel: int) -> int:
+        """The bytes of :meth:`payload` (``numel`` values' scales and codes, no padding).
+
+        Example:
+            >>> QuantLayout(bits=4, block_size=4, pieces=2, piece_elems=8).payload_bytes(10)
+            17
+        """
+        total = 0
+        for i in range(self.pieces):
+            real = min(max(numel - i * self.piece_elems, 0), self.piece_elems)
+            if real:
+                total += 4 * -(-real // self.block_size) + -(-real * self.bits // 8)
+        return total
 
     def payload(self, packed: torch.Tensor, numel: int) -> list[torch.Tensor]:
         """Views of the scales and codes that carry the first ``numel`` values: what a

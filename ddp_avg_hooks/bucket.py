@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from . import ops
+from ._grad import no_grad
 from .collectives import Background
 from .storage import DeviceStorage
 
@@ -249,7 +250,7 @@ class ParamBucket:
             raise self._no_anchor()
         return self._storage.anchor
 
-    @torch.no_grad()
+    @no_grad
     def delta(self, dtype: torch.dtype | None = None, *, scale: float = 1.0,
               out: torch.Tensor | None = None,
               residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,7 +283,7 @@ class ParamBucket:
         storage.commit(residual, here)
         return out
 
-    @torch.no_grad()
+    @no_grad
     def quantize_delta(self, packed: torch.Tensor, layout: ops.QuantLayout, *,
                        scale: float = 1.0, residual: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> None:
@@ -304,12 +305,12 @@ class ParamBucket:
             >>> p = torch.nn.Parameter(torch.zeros(4))
             >>> b = ParamBucket(0, [p], is_last=True, keep_anchor=True)
             >>> with torch.no_grad():
-            ...     _ = p.copy_(torch.tensor([-2.0, 0.0, 0.0, 1.0]))
+            ...     _ = p.copy_(torch.tensor([-2.0, 0.0, 0.0, 2.0]))
             >>> layout = ops.QuantLayout.for_bucket(4, 1, 4, 8)
             >>> packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
-            >>> b.quantize_delta(packed, layout, scale=0.5)
+            >>> b.quantize_delta(packed, layout, scale=0.5)  # (anchor - params) / 2
             >>> ops.dequantize_blocks(packed, layout, torch.empty(4)).tolist()
-            [1.0, 0.0, 0.0, -0.5]
+            [1.0, 0.0, 0.0, -1.0]
         """
         ct = torch.float64 if self.dtype == torch.float64 else torch.float32
         if self._round.overlapped and self._launch is not None and self.dtype == ct:
@@ -413,13 +414,15 @@ class ParamBucket:
         """
         return self._memory
 
-    def record_sent(self, *tensors: torch.Tensor) -> None:
-        """Count the bytes of ``tensors`` as handed to a collective by this rank.
+    def record_sent(self, *sent: torch.Tensor | int) -> None:
+        """Count the bytes of ``sent`` (tensors, or byte counts as ``int``) as handed to a
+        collective by this rank.
 
         Built-in hooks call this for every tensor they communicate; user hooks should
         too, so that ``handle.stats.bytes_sent`` is right.
         """
-        self._round.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+        self._round.bytes_sent += sum(t if isinstance(t, int) else t.numel() * t.element_size()
+                                      for t in sent)
 
     # --- the round engine's side ---------------------------------------------------------
     def check_parameters(self) -> None:
@@ -453,7 +456,7 @@ class ParamBucket:
         """The parameters as the last overlapped round began (``None`` before any)."""
         return self._launch
 
-    @torch.no_grad()
+    @no_grad
     def apply(self, value: torch.Tensor, *, is_delta: bool = False, overlapped: bool = False,
               mixing: float | None = None, keep_nonnegative: bool = False) -> None:
         """Write a checked round result into the parameters in place; the anchor follows.

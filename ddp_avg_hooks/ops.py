@@ -394,9 +394,9 @@ def quantize_blocks(
         >>> layout = ops.QuantLayout.for_bucket(4, 1, 4, 8)
         >>> packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
         >>> ops.quantize_blocks(torch.tensor([3.0, 1.0, 1.0, 1.0]), packed, layout,
-        ...                     minus=torch.tensor([1.0, 1.0, 1.0, 0.0]), scale=0.5)
+        ...                     minus=torch.tensor([1.0, 1.0, 1.0, 3.0]), scale=0.5)
         >>> ops.dequantize_blocks(packed, layout, torch.empty(4)).tolist()  # (x - minus) / 2
-        [1.0, 0.0, 0.0, 0.5]
+        [1.0, 0.0, 0.0, -1.0]
     """
     op = "quantize_blocks"
     _check_packed(packed, layout, op)

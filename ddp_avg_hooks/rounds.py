@@ -335,7 +335,7 @@ class RoundEngine:
         if factor != 1.0:
             self._rescale(rnd, factor)
         measured = self.reporter.measure(rnd.buckets, rnd)
-        with _profiler_range("ddp_avg_hooks::round::write_back"):
+        with _profiler_range("ddp_avg_hooks::round::write_back"), torch.no_grad():
             for bucket, value, change in zip(rnd.buckets, rnd.results, rnd.changes):
                 bucket.apply(value, is_delta=change, overlapped=rnd.overlapped, mixing=self.mixing)
             # the policies' buffers and state take the parameters' rule; what can't be

@@ -67,6 +67,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from . import ops
+from ._grad import no_grad
 
 __all__ = ["DeviceStorage", "HostStorage", "ZeroCopyStorage"]
 
@@ -161,12 +162,12 @@ class DeviceStorage:
                            device=self.state_device, pin_memory=pin)
 
     # --- writing a round's result --------------------------------------------------------
-    @torch.no_grad()
+    @no_grad
     def write(self, values: torch.Tensor) -> None:
         """``params <- values`` in place; the anchor (if kept) takes the same values."""
         ops.apply_(values, self.params, self.anchor)
 
-    @torch.no_grad()
+    @no_grad
     def write_change(self, change: torch.Tensor) -> None:
         """``params <- anchor - change`` in place, and the anchor follows (chunked)."""
         anchor = self.op_anchor()
@@ -174,7 +175,7 @@ class DeviceStorage:
         self.commit(self.anchor, anchor)
         self.end_round()
 
-    @torch.no_grad()
+    @no_grad
     def write_with_progress(self, values: torch.Tensor, launch: torch.Tensor,
                             mixing: float | None, keep_nonnegative: bool = False) -> None:
         """Apply an overlapped round; the anchor becomes ``values``.
@@ -247,7 +248,7 @@ class HostStorage(DeviceStorage):
         # run), so the copies in and out are the same code on every device
         return t.to(self.device, non_blocking=t.is_pinned(), copy=True)
 
-    @torch.no_grad()
+    @no_grad
     def reset_anchor(self) -> None:
         # parameter by parameter into views of the host anchor: no device copy of the bucket
         if self.anchor is not None:
@@ -273,7 +274,7 @@ class HostStorage(DeviceStorage):
         if used is not stored:
             stored.copy_(used)
 
-    @torch.no_grad()
+    @no_grad
     def write(self, values: torch.Tensor) -> None:
         ops.apply_(self.on_device(values), self.params)
         self.reset_anchor()
@@ -314,7 +315,7 @@ class ZeroCopyStorage(DeviceStorage):
         self._copy: torch.Tensor | None = None  # buffer() when not in place
         self._work: torch.Tensor | None = None  # workspace(): never the parameters
 
-    @torch.no_grad()
+    @no_grad
     def _follow_parameters(self) -> None:
         """Make every parameter a view of the flat buffer again, where its ``.data`` was
         replaced since registration (``p.data = t``, ``vector_to_parameters``, ``.to()``
@@ -363,7 +364,7 @@ class ZeroCopyStorage(DeviceStorage):
         self._follow_parameters()
         self.anchor = self._flat.clone()
 
-    @torch.no_grad()
+    @no_grad
     def write(self, values: torch.Tensor) -> None:
         moved = self._moved()  # replaced during the round: they take its values too
         values = values.reshape(-1)

@@ -238,7 +238,7 @@ def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=mine.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=gathered.total_bytes)
     bucket.quantize_delta(send, mine, scale=1.0 / n, residual=residual, out=work)
-    bucket.record_sent(*mine.payload(send, numel))
+    bucket.record_sent(mine.payload_bytes(numel))
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()  # raises if the all-gather failed
@@ -270,7 +270,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=layout.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=layout.total_bytes)
     bucket.quantize_delta(send, layout, scale=1.0 / n, residual=residual, out=work)
-    bucket.record_sent(*layout.payload(send, numel))
+    bucket.record_sent(layout.payload_bytes(numel))
     exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
     result = torch.futures.Future()
     # overlapped with training: the second phase on the registration's background thread,
