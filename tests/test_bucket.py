@@ -248,8 +248,9 @@ def test_a_round_record_holds_the_rounds_facts():
     record = b.begin_round(overlapped=True)
     assert isinstance(record, BucketRound) and b.overlapped and not b.result_is_delta
     b.record_sent(torch.zeros(3), torch.zeros(2, dtype=torch.float16))
+    b.record_sent(5)  # a byte count
     b.mark_result_as_delta()
-    assert record.bytes_sent == 16 and record.result_is_delta and b.result_is_delta
+    assert record.bytes_sent == 21 and record.result_is_delta and b.result_is_delta
     b.mark_result_as_values()
     assert not record.result_is_delta
     fresh = b.begin_round()

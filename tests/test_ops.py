@@ -798,6 +798,17 @@ def test_quantize_kernels_keep_nan_and_inf(qext, device, bits, bad):
     assert torch.isfinite(decoded[~bad_at]).all()
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("numel,block,pieces,piece_elems", QLAYOUTS)
+def test_payload_bytes_are_the_payload_views_bytes(bits, numel, block, pieces, piece_elems):
+    if bits == 2 and block % 4:
+        block *= 2
+    layout = _qlayout(numel, block, pieces, piece_elems, bits)
+    packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+    for n in {numel, max(numel - 1, 0), numel // 2}:
+        assert layout.payload_bytes(n) == sum(t.numel() for t in layout.payload(packed, n)), n
+
+
 def test_quantize_reference_semantics():
     """The reference against the formulas of its docstring, written out for one block."""
     layout = ops.QuantLayout(bits=4, block_size=4, pieces=2, piece_elems=4)
