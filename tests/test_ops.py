@@ -665,6 +665,22 @@ def _assert_same_outputs(got, want):
             assert_bits(a, b, name)
 
 
+def _kernel_case(qext, device, bits, numel, block, pieces, piece_elems):
+    """(layout, "large" or "small") of one kernel case, or a skip: no CUDA build, or the
+    scalar bodies on a large case (the small ones cover them)."""
+    if device == "cuda" and not qext.m.with_cuda():
+        pytest.skip("extension built without CUDA")
+    case = "large" if numel > 100_000 else "small"
+    if case == "large" and qext.m._cpu_simd(-1) == 0 and device == "cpu":
+        pytest.skip("ext_scalar: the small cases cover the scalar bodies")
+    return _qlayout(numel, _whole_bytes(block, bits), pieces, piece_elems, bits), case
+
+
+def _whole_bytes(block: int, bits: int) -> int:
+    """``block``, doubled where 2-bit codes (four to a byte) would not fill whole bytes."""
+    return block * 2 if bits == 2 and block % 4 else block
+
+
 @pytest.fixture(params=["ext", "ext_scalar"])
 def qext(request):
     m = _ext_module()
@@ -684,14 +700,7 @@ def qext(request):
 @pytest.mark.parametrize("numel,block,pieces,piece_elems", QLAYOUTS)
 def test_quantize_kernels_match_reference(qext, device, bits, numel, block, pieces, piece_elems,
                                           request):
-    if device == "cuda" and not qext.m.with_cuda():
-        pytest.skip("extension built without CUDA")
-    if bits == 2 and block % 4:  # four codes to a byte: a block of whole bytes
-        block *= 2
-    case = "large" if numel > 100_000 else "small"
-    if case == "large" and qext.m._cpu_simd(-1) == 0 and device == "cpu":
-        pytest.skip("ext_scalar: the small cases cover the scalar bodies")
-    layout = _qlayout(numel, block, pieces, piece_elems, bits)
+    layout, case = _kernel_case(qext, device, bits, numel, block, pieces, piece_elems)
     x = _finite(numel, seed=50 + bits).to(device)
     e = (_finite(numel, seed=60) * 1e-3).to(device)
     base = _finite(layout.elems, seed=70).to(device)
@@ -710,14 +719,7 @@ def test_quantize_of_a_change_is_delta_then_quantize(qext, device, bits, numel, 
     """``minus=``: the codes and residual of ``(x - minus) * scale (+ residual)`` are those
     of the change written out by ``delta`` and then quantized, in the kernels (vector and
     scalar bodies, residual aliased or not) as in the reference, bit for bit."""
-    if device == "cuda" and not qext.m.with_cuda():
-        pytest.skip("extension built without CUDA")
-    if bits == 2 and block % 4:
-        block *= 2
-    case = "large" if numel > 100_000 else "small"
-    if case == "large" and qext.m._cpu_simd(-1) == 0 and device == "cpu":
-        pytest.skip("ext_scalar: the small cases cover the scalar bodies")
-    layout = _qlayout(numel, block, pieces, piece_elems, bits)
+    layout, case = _kernel_case(qext, device, bits, numel, block, pieces, piece_elems)
     x = _finite(numel, seed=90 + bits).to(device)
     minus = (x + _finite(numel, seed=91) * 1e-2).to(device)
     e = (_finite(numel, seed=92) * 1e-4).to(device)
@@ -801,9 +803,7 @@ def test_quantize_kernels_keep_nan_and_inf(qext, device, bits, bad):
 @pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("numel,block,pieces,piece_elems", QLAYOUTS)
 def test_payload_bytes_are_the_payload_views_bytes(bits, numel, block, pieces, piece_elems):
-    if bits == 2 and block % 4:
-        block *= 2
-    layout = _qlayout(numel, block, pieces, piece_elems, bits)
+    layout = _qlayout(numel, _whole_bytes(block, bits), pieces, piece_elems, bits)
     packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     for n in {numel, max(numel - 1, 0), numel // 2}:
         assert layout.payload_bytes(n) == sum(t.numel() for t in layout.payload(packed, n)), n
