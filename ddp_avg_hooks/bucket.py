@@ -313,7 +313,7 @@ class ParamBucket:
             [1.0, 0.0, 0.0, -1.0]
         """
         ct = torch.float64 if self.dtype == torch.float64 else torch.float32
-        if self._round.overlapped and self._launch is not None and self.dtype == ct:
+        if self.change_from_snapshot:
             if not self.has_anchor():
                 raise self._no_anchor()
             ops.quantize_blocks(self._storage.op_anchor(), packed, layout, residual=residual,
@@ -322,6 +322,15 @@ class ParamBucket:
             return
         change = self.delta(ct, scale=scale, out=out)
         ops.quantize_blocks(change, packed, layout, residual=residual, residual_out=residual)
+
+    @property
+    def change_from_snapshot(self) -> bool:
+        """Whether :meth:`quantize_delta` makes this round's change from the launch
+        snapshot, not the live parameters (an overlapped round of float32 or float64
+        parameters): it may then run after the hook has returned, in a call the hook
+        handed to the background thread (:meth:`defer`), while training goes on."""
+        return (self._round.overlapped and self._launch is not None
+                and self.dtype in (torch.float32, torch.float64))
 
     def scratch(self, key, *, dtype: torch.dtype | None = None,
                 numel: int | None = None) -> torch.Tensor:
@@ -388,14 +397,23 @@ class ParamBucket:
         """
         self._round.defer(fn, background=background and self.device.type == "cpu")
 
+    @property
+    def defers_to_background(self) -> bool:
+        """Whether ``defer(fn, background=True)`` runs ``fn`` on the registration's
+        background thread in this round (an overlapped round of the round engine, on CPU
+        tensors, before the hook has returned); otherwise it is an ordinary deferred
+        call."""
+        rnd = self._round
+        return rnd.background is not None and rnd.deferring and self.device.type == "cpu"
+
     def private_group(self, group):
         """The registration's own duplicate of ``group``, for collectives a background call
         issues (see :meth:`defer`); ``group`` itself outside such a round. Made at the first
-        call, collective over ``group``'s members (every member asks at the same round)."""
-        rnd = self._round
-        if rnd.background is None or not rnd.deferring or self.device.type != "cpu":
+        call, collective over ``group``'s members (every member asks at the same round),
+        with ``group``'s timeout."""
+        if not self.defers_to_background:
             return group
-        return rnd.background.private(group)
+        return self._round.background.private(group)
 
     def new_state(self, dtype: torch.dtype | None = None, *,
                   numel: int | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from ._groups import is_member
 
 __all__ = ["Background", "allreduce_sum", "backend_device", "completed", "exact_average",
-           "gather_small"]
+           "gather_small", "group_timeout"]
 
 
 def completed(value) -> torch.futures.Future:
@@ -62,6 +63,25 @@ def backend_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def group_timeout(group) -> timedelta | None:
+    """The timeout ``group``'s collectives run under (``init_process_group(timeout=)`` for
+    the default group), or ``None`` when its backend does not say (torch's default then).
+
+    Example:
+        >>> import datetime, torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+        ...                         timeout=datetime.timedelta(seconds=42))
+        >>> group_timeout(dist.group.WORLD)
+        datetime.timedelta(seconds=42)
+        >>> dist.destroy_process_group()
+    """
+    try:
+        timeout = group._get_backend(backend_device(group)).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout if isinstance(timeout, timedelta) else None
 
 
 def gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
@@ -123,12 +143,14 @@ class Background:
 
     def private(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         """This registration's duplicate of ``group`` (made at the first call, collective
-        over ``group``'s members only: every member must ask for it at the same round)."""
+        over ``group``'s members only: every member must ask for it at the same round),
+        with ``group``'s timeout, so a collective that a lost rank leaves unanswered fails
+        as soon as one on ``group`` would."""
         ranks = tuple(dist.get_process_group_ranks(group))
         private = self._groups.get(ranks)
         if private is None:
             private = self._groups[ranks] = dist.new_group(
-                list(ranks), use_local_synchronization=True,
+                list(ranks), timeout=group_timeout(group), use_local_synchronization=True,
                 group_desc="ddp_avg_hooks_background")
         return private
 

@@ -93,30 +93,45 @@ def _check_dtype(t: torch.Tensor, what: str, op: str) -> None:
 
 def _check_flat(flat: torch.Tensor, params: Sequence[torch.Tensor], what: str, op: str) -> None:
     """Checks shared by every op: a contiguous 1-D buffer that fits ``params`` exactly."""
-    if not isinstance(flat, torch.Tensor):
-        raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(flat).__name__}")
-    _check_dtype(flat, what, op)
-    if flat.dim() != 1 or not flat.is_contiguous():
-        raise ValueError(
-            f"{op}: {what} must be a contiguous 1-D tensor, got shape {tuple(flat.shape)} "
-            f"with strides {flat.stride()}"
-        )
+    _check_flats(((flat, what),), params, op)
+
+
+def _check_flats(flats: Sequence[tuple[torch.Tensor, str]], params: Sequence[torch.Tensor],
+                 op: str) -> None:
+    """:func:`_check_flat` for each ``(flat, what)`` of one call, walking ``params`` once."""
+    for flat, what in flats:
+        if not isinstance(flat, torch.Tensor):
+            raise TypeError(f"{op}: {what} must be a torch.Tensor, got {type(flat).__name__}")
+        _check_dtype(flat, what, op)
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError(
+                f"{op}: {what} must be a contiguous 1-D tensor, got shape {tuple(flat.shape)} "
+                f"with strides {flat.stride()}"
+            )
+    device, first = flats[0][0].device, flats[0][1]
     total = 0
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"{op}: params[{i}] must be a torch.Tensor, got {type(p).__name__}")
-        _check_dtype(p, f"params[{i}]", op)
-        if p.device != flat.device:
+        if p.dtype not in SUPPORTED_DTYPES:
+            _check_dtype(p, f"params[{i}]", op)
+        if p.device != device:
             raise ValueError(
-                f"{op}: params[{i}] is on {p.device} but {what} is on {flat.device}; "
+                f"{op}: params[{i}] is on {p.device} but {first} is on {device}; "
                 "put all tensors of one call on one device"
             )
         total += p.numel()
-    if total != flat.numel():
-        raise ValueError(
-            f"{op}: {what} has {flat.numel()} elements but the parameters hold {total}; "
-            "the buffer must have exactly sum(p.numel() for p in params) elements"
-        )
+    for flat, what in flats:
+        if params and flat.device != device:
+            raise ValueError(
+                f"{op}: params[0] is on {device} but {what} is on {flat.device}; "
+                "put all tensors of one call on one device"
+            )
+        if total != flat.numel():
+            raise ValueError(
+                f"{op}: {what} has {flat.numel()} elements but the parameters hold {total}; "
+                "the buffer must have exactly sum(p.numel() for p in params) elements"
+            )
 
 
 # ---------------------------------------------------------------- routing
@@ -194,8 +209,7 @@ def delta(
 ) -> torch.Tensor:
     """``out <- (anchor - flatten(params)) * scale``, cast to ``out.dtype``; returns ``out``."""
     params = _as_list(params)
-    _check_flat(anchor, params, "anchor", "delta")
-    _check_flat(out, params, "out", "delta")
+    _check_flats(((anchor, "anchor"), (out, "out")), params, "delta")
     _impl((out, anchor), params).delta(anchor, params, out, scale)
     return out
 
@@ -209,12 +223,10 @@ def apply_(
     rounded to each parameter's dtype (the anchor must share the parameters' dtype).
     """
     params = _as_list(params)
-    _check_flat(flat, params, "flat", "apply_")
-    flats = (flat,)
+    flats = (flat,) if anchor is None else (flat, anchor)
+    _check_flats(tuple(zip(flats, ("flat", "anchor"))), params, "apply_")
     if anchor is not None:
-        _check_flat(anchor, params, "anchor", "apply_")
         _check_same_dtype(anchor, "anchor", params, "apply_")
-        flats = (flat, anchor)
     _impl(flats, params).apply_(flat, params, anchor)
 
 
@@ -261,8 +273,8 @@ def feedback_cast(
         (0.333251953125, 8.153915405273438e-05)
     """
     params = _as_list(params)
-    for t, what in ((anchor, "anchor"), (residual, "residual"), (out, "out")):
-        _check_flat(t, params, what, "feedback_cast")
+    _check_flats(((anchor, "anchor"), (residual, "residual"), (out, "out")), params,
+                 "feedback_cast")
     _feedback_impl(anchor, (anchor, residual, out), params).feedback_cast(
         anchor, params, residual, out, scale)
     return out
@@ -274,8 +286,7 @@ def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
     ``anchor <- params``. ``change`` may have any float dtype; the anchor has the
     parameters' dtype. No temporary the size of the bucket."""
     params = _as_list(params)
-    _check_flat(anchor, params, "anchor", "apply_delta_")
-    _check_flat(change, params, "change", "apply_delta_")
+    _check_flats(((anchor, "anchor"), (change, "change")), params, "apply_delta_")
     _check_same_dtype(anchor, "anchor", params, "apply_delta_")
     _feedback_impl(anchor, (anchor, change), params).apply_delta_(anchor, change, params)
 
@@ -302,10 +313,11 @@ def apply_progress_(values: torch.Tensor, launch: torch.Tensor,
         ([2.0, 2.0], [1.0, 1.0])
     """
     params = _as_list(params)
-    for t, what in ((values, "values"), (launch, "launch"), (anchor, "anchor")):
-        _check_flat(t, params, what, "apply_progress_")
+    _check_flats(((values, "values"), (launch, "launch"), (anchor, "anchor")), params,
+                 "apply_progress_")
     _check_same_dtype(anchor, "anchor", params, "apply_progress_")
-    _check_same_dtype(launch, "launch", params, "apply_progress_")
+    if launch.dtype != anchor.dtype:  # else checked with the anchor
+        _check_same_dtype(launch, "launch", params, "apply_progress_")
     storages = {t.untyped_storage().data_ptr() for t in (values, launch, anchor)}
     if len(storages) < 3:  # a buffer passed twice: the reference reads before it writes
         _fallback.apply_progress_(values, launch, params, anchor)

@@ -1,9 +1,15 @@
-"""The background second phase of overlapped int8/int4 rounds (three ranks or more): the
-same average as a blocking round, bit for bit, while the training thread issues its own
-collectives on the same group; two ranks, whose rounds are one all-gather, likewise; the
-registration's background thread keeps the order calls were handed in."""
+"""Overlapped int8/int4 rounds on the registration's background thread: from the launch
+snapshot (float32 parameters) the coding and every collective run there, on two ranks
+(one all-gather) and three (all-to-all, then all-gather); bfloat16 parameters are coded
+on the training thread at the launch, and from three ranks on their second phase runs
+there. Each is the blocking round bit for bit, while the training thread issues its own
+collectives on the same group; the private groups take the averaging group's timeout; the
+background thread keeps the order calls were handed in."""
 
 from __future__ import annotations
+
+import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -11,24 +17,24 @@ import torch.distributed as dist
 
 import ddp_avg_hooks as dah
 from ddp_avg_hooks.bucket import ParamBucket
-from ddp_avg_hooks.collectives import Background
+from ddp_avg_hooks.collectives import Background, group_timeout
 from ddp_avg_hooks.rounds import RoundEngine, run_round
 from _dist import run_ranks
 
 
-def _bucket(rank, index=0):
+def _bucket(rank, index=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(10 + index)
-    w = torch.nn.Parameter(torch.randn(1000, generator=g))
+    w = torch.nn.Parameter(torch.randn(1000, generator=g).to(dtype))
     b = ParamBucket(index, [w], is_last=True, keep_anchor=True)
     with torch.no_grad():
         w.add_(torch.randn(1000, generator=torch.Generator().manual_seed(rank)).mul_(0.01))
     return b
 
 
-def _rank_background(rank, world_size, hook_name):
+def _rank_background(rank, world_size, hook_name, dtype):
     hook = getattr(dah.hooks, hook_name)
-    overlapped = [_bucket(rank, i) for i in range(3)]
-    blocking = [_bucket(rank, i) for i in range(3)]
+    overlapped = [_bucket(rank, i, dtype) for i in range(3)]
+    blocking = [_bucket(rank, i, dtype) for i in range(3)]
     engine = RoundEngine(hook, None, overlapped)
     rnd = engine.launch(overlapped=True)
     # the training thread's own collective on the same group, right after the launch
@@ -36,25 +42,51 @@ def _rank_background(rank, world_size, hook_name):
     dist.all_reduce(mine)
     engine.finish(rnd)
     run_round(hook, None, blocking)
-    # the background thread and the private group: made by a three-rank round only
     return {"user": mine, "overlapped": [b.stored_anchor() for b in overlapped],
             "blocking": [b.stored_anchor() for b in blocking],
             "background": engine.background.in_use}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("hook_name", ["int8_compress_hook", "int4_compress_hook"])
-def test_an_overlapped_quantized_round_is_the_blocking_one_bit_for_bit(hook_name, world):
-    results = run_ranks(_rank_background, world, timeout_s=60, hook_name=hook_name)
+def test_an_overlapped_quantized_round_is_the_blocking_one_bit_for_bit(hook_name, world, dtype):
+    results = run_ranks(_rank_background, world, timeout_s=60, hook_name=hook_name,
+                        dtype=dtype)
     for r in results:
         # not mixed up with the round's
         assert torch.equal(r["user"], torch.full((4,), float(sum(range(1, world + 1)))))
         for a, b in zip(r["overlapped"], r["blocking"]):
             assert torch.equal(a, b)
-        assert r["background"] == (world > 2)
+        # the thread and a private group: made for float32 (coded from the snapshot) and
+        # for the second phase from three ranks on; a two-rank bfloat16 round needs neither
+        assert r["background"] == (world > 2 or dtype == torch.float32)
     for other in results[1:]:
         for a, b in zip(results[0]["overlapped"], other["overlapped"]):
             assert torch.equal(a, b)  # the replicas agree on the average
+
+
+def _rank_coded_after_launch(rank, world_size):
+    bucket = _bucket(rank)
+    engine = RoundEngine(dah.hooks.int4_compress_hook, None, [bucket])
+    gate = threading.Event()
+    engine.background.submit(gate.wait)  # the background thread held
+    rnd = engine.launch(overlapped=True)
+    residual = bucket.memory()["quant_residual"]
+    coded_at_launch = bool(residual.any())  # error feedback: the coding's rounding
+    gate.set()
+    engine.finish(rnd)
+    private = next(iter(engine.background._groups.values()))
+    return {"coded_at_launch": coded_at_launch, "coded": bool(residual.any()),
+            "private_timeout": group_timeout(private), "anchor": bucket.stored_anchor()}
+
+
+def test_the_launch_returns_before_the_coding_and_the_private_group_keeps_the_timeout():
+    results = run_ranks(_rank_coded_after_launch, 2, timeout_s=60, pg_timeout_s=7)
+    for r in results:
+        assert not r["coded_at_launch"] and r["coded"]
+        assert r["private_timeout"] == timedelta(seconds=7)  # not torch's 30 minutes
+    assert torch.equal(results[0]["anchor"], results[1]["anchor"])
 
 
 def test_the_background_thread_runs_calls_in_order():

@@ -243,6 +243,26 @@ def test_defer_runs_at_once_outside_a_round_and_after_the_launch_inside():
     assert ran == ["idle", "round", "late"]
 
 
+def test_the_background_goes_with_overlapped_cpu_rounds_and_the_snapshot_with_float32():
+    from ddp_avg_hooks.collectives import Background
+    b = ParamBucket(0, _params(), is_last=True, keep_anchor=True)
+    assert not b.defers_to_background and not b.change_from_snapshot  # outside a round
+    b.begin_round(background=Background())  # a blocking round: no thread, live parameters
+    assert not b.defers_to_background and not b.change_from_snapshot
+    record = b.begin_round(overlapped=True, background=Background())
+    assert b.defers_to_background and b.change_from_snapshot
+    ran = []
+    b.defer(lambda: ran.append(1), background=True)
+    assert record.take_background() and not record.take_deferred() and not ran
+    assert not b.defers_to_background  # after the launch: deferred calls run at once
+    b.begin_round(overlapped=True)  # no background thread given (a bucket by hand)
+    assert not b.defers_to_background and b.change_from_snapshot
+    half = ParamBucket(0, [torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))],
+                       is_last=True, keep_anchor=True)
+    half.begin_round(overlapped=True, background=Background())
+    assert half.defers_to_background and not half.change_from_snapshot  # from live values
+
+
 def test_a_round_record_holds_the_rounds_facts():
     b = ParamBucket(0, _params(), is_last=True, keep_anchor=True)
     record = b.begin_round(overlapped=True)

@@ -89,14 +89,19 @@ ranks, the all-to-all from three on), on the averaging group, from the thread th
 rounds, and returns. With two ranks that is the whole exchange: only the dequantization
 runs, in a callback. From three ranks on the reduction, the requantization and the
 all-gather are deferred (``bucket.defer``) until every bucket's all-to-all is in flight,
-so a round of several buckets waits for the first one while the others travel. In a
-round overlapped with training (on CPU tensors) they run on the registration's
-background thread instead, one bucket after another in launch order, and the all-gather
-goes over the registration's private duplicate of the group (``bucket.private_group``):
-the training thread then never waits for the all-to-all, and no collective of the
-second phase can pair with one the training thread issues meanwhile (gloo and NCCL pair
-collectives by the order each rank issues them on a group). Only the dequantization runs
-in a callback.
+so a round of several buckets waits for the first one while the others travel.
+
+In a round overlapped with training (on CPU tensors) the work runs on the registration's
+background thread instead, one bucket after another in launch order, and its collectives
+go over the registration's private duplicate of the group (``bucket.private_group``), so
+none can pair with one the training thread issues meanwhile (gloo and NCCL pair
+collectives by the order each rank issues them on a group). For float32 and float64
+parameters that is the whole round: the change is coded from the launch snapshot
+(``bucket.change_from_snapshot``), so the training thread only takes the snapshot and
+later writes the result back. Other parameters are coded on the training thread at the
+launch, from their live values; from three ranks on the second phase still runs in the
+background, the all-to-all on the averaging group. The codes are the same bits either
+way.
 """
 
 from __future__ import annotations
@@ -226,6 +231,23 @@ def _all_gather(out: torch.Tensor, piece: torch.Tensor, group):
     return gather(out, piece, group=group, async_op=True)
 
 
+def _codes_in_background(bucket: ParamBucket) -> bool:
+    """Whether the whole round, the coding included, can run on the background thread:
+    an overlapped CPU round whose change comes from the launch snapshot."""
+    return bucket.defers_to_background and bucket.change_from_snapshot
+
+
+def _in_background(bucket: ParamBucket, run, result: torch.futures.Future) -> None:
+    """Hand ``run()`` to the background thread; its failure completes ``result``."""
+    def guarded() -> None:
+        try:
+            run()
+        except Exception as exc:
+            result.set_exception(exc)
+
+    bucket.defer(guarded, background=True)
+
+
 def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
                     work: torch.Tensor, residual, anchor: torch.Tensor,
                     out: torch.Tensor) -> torch.futures.Future:
@@ -237,8 +259,11 @@ def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
     gathered = mine.stacked(n)  # the ranks' payloads back to back
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=mine.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=gathered.total_bytes)
-    bucket.quantize_delta(send, mine, scale=1.0 / n, residual=residual, out=work)
     bucket.record_sent(mine.payload_bytes(numel))
+
+    def code_and_gather(on_group) -> torch.futures.Future:
+        bucket.quantize_delta(send, mine, scale=1.0 / n, residual=residual, out=work)
+        return _all_gather(recv, send, on_group).get_future()
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()  # raises if the all-gather failed
@@ -247,7 +272,20 @@ def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
             return torch.sub(anchor, total, out=out)
         return _sub_(anchor, total, out)
 
-    return _all_gather(recv, send, group).get_future().then(decompress)
+    if not _codes_in_background(bucket):
+        return code_and_gather(group).then(decompress)
+    result = torch.futures.Future()
+    private = bucket.private_group(group)
+
+    def complete(fut: torch.futures.Future) -> None:
+        try:
+            result.set_result(decompress(fut))
+        except Exception as exc:
+            result.set_exception(exc)
+
+    _in_background(bucket, lambda: code_and_gather(private).add_done_callback(complete),
+                   result)
+    return result
 
 
 def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.futures.Future:
@@ -269,24 +307,19 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
     # output once the all-to-all has read it
     send = bucket.scratch("quant_send", dtype=torch.uint8, numel=layout.total_bytes)
     recv = bucket.scratch("quant_recv", dtype=torch.uint8, numel=layout.total_bytes)
-    bucket.quantize_delta(send, layout, scale=1.0 / n, residual=residual, out=work)
     bucket.record_sent(layout.payload_bytes(numel))
-    exchange = dist.all_to_all_single(recv, send, group=group, async_op=True)
     result = torch.futures.Future()
     # overlapped with training: the second phase on the registration's background thread,
-    # its all-gather on the registration's own group, so training never waits for it
+    # its all-gather on the registration's own group, so training never waits for it;
+    # from the launch snapshot, the coding and the all-to-all there too
     background = bucket.overlapped
     gather_group = bucket.private_group(group) if background else group
 
-    def reduce_and_gather() -> None:
-        try:
-            second_phase()
-        except Exception as exc:
-            if not background:
-                raise  # the engine names the bucket and fails the round
-            result.set_exception(exc)
+    def code_and_exchange(on_group):
+        bucket.quantize_delta(send, layout, scale=1.0 / n, residual=residual, out=work)
+        return dist.all_to_all_single(recv, send, group=on_group, async_op=True)
 
-    def second_phase() -> None:
+    def second_phase(exchange) -> None:
         # this rank's piece: sum every rank's version, requantize it into the all-gather
         # input. Only its values inside the bucket (past its end all codes are 0), in the
         # delta's buffer, which has been read by now.
@@ -312,6 +345,19 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
             result.set_exception(exc)
         else:
             result.set_result(value)
+
+    if _codes_in_background(bucket):
+        _in_background(bucket, lambda: second_phase(code_and_exchange(gather_group)), result)
+        return result
+    exchange = code_and_exchange(group)
+
+    def reduce_and_gather() -> None:
+        try:
+            second_phase(exchange)
+        except Exception as exc:
+            if not background:
+                raise  # the engine names the bucket and fails the round
+            result.set_exception(exc)
 
     bucket.defer(reduce_and_gather, background=background)
     return result
