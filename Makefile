@@ -110,6 +110,15 @@ bench: ext
 	    --variant-args "int2_streaming_interleaved=--period 4 --fragments 2 --overlap-steps 1" \
 	    --out benchmarks/results/slow_link_two_fragments_100mbit_seed$$seed \
 	    --title "Slow link, rounds in 2 fragments, 4-bit at period 8 and 2-bit at period 4, against the peers: 100 Mbit/s, ~1M-parameter model, seed $$seed"; \
+	  for rate in 100 25; do \
+	    $(PY) benchmarks/bench_train.py --profiles $${rate}mbit --repeats 3 --seed $$seed \
+	      --variants ddp,none,ddp_powersgd,torch_localsgd,torchft_diloco,int4_streaming_interleaved,int4_streaming_interleaved_next_step,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
+	      --variant-args "int4_streaming_interleaved_next_step=--fragments 2" \
+	      --variant-args "int2_streaming_interleaved_next_step=--period 4" \
+	      --variant-args "int2_streaming_interleaved=--period 4 --fragments 2 --overlap-steps 1" \
+	      --out benchmarks/results/slow_link_background_$${rate}mbit_seed$$seed \
+	      --title "Slow link, overlapped rounds coded and sent from the background thread, 4-bit and 2-bit, 4 and 2 fragments, against the peers: $$rate Mbit/s, ~1M-parameter model, seed $$seed"; \
+	  done; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
 	    --variants ddp,none,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
 	    --variant-args "int2_streaming_interleaved_next_step=--period 4" \

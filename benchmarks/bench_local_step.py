@@ -45,7 +45,7 @@ import time
 
 import torch
 
-from harness import launch, local_step, netns, report
+from harness import launch, local_step, netns, records, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "harness", "local_step.py")
@@ -93,9 +93,10 @@ def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2)
 
 
 def _block(recs: list[dict]) -> dict:
-    """One variant's block: its median local step (a step that sent nothing and applied
-    no round; ``None`` without one), its mean step, and its comm wait share."""
-    local = [r["step_s"] for r in recs if r["bytes"] == 0 and not r["averaged"]]
+    """One variant's block: its median local step (a step whose training thread sent
+    nothing and launched no round, ``records.is_local_step``; ``None`` without one), its
+    mean step, and its comm wait share."""
+    local = [r["step_s"] for r in recs if records.is_local_step(r)]
     total = sum(r["step_s"] for r in recs)
     return dict(local_s=statistics.median(local) if local else None, mean_s=total / len(recs),
                 comm=sum(r["comm_s"] for r in recs) / total)

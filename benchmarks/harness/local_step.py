@@ -106,13 +106,15 @@ class Turn:
         a = self.args
         for pos in range(steps):
             t0 = time.perf_counter()
-            b0 = self.meter.bytes
+            b0, g0 = self.meter.counts()
             batch = train.get_batch(self.data, a.batch_size, a.context, self.gen)
             loss, grad_wait, averaged, avg_s, _ = train.train_step(
                 self.variant, self.opt, self.sched, self.meter, self.slow, batch, t0)
             dt = time.perf_counter() - t0
+            b1, g1 = self.meter.counts()
             self.records.append(dict(
-                block=index, pos=pos, step_s=round(dt, 6), bytes=self.meter.bytes - b0,
+                block=index, pos=pos, step_s=round(dt, 6), bytes=b1 - b0,
+                background_bytes=g1 - g0,
                 averaged=averaged, loss=round(loss.item(), 5),
                 comm_s=round(grad_wait + avg_s + self.variant.take_comm_s(), 6)))
 

@@ -57,6 +57,19 @@ def gather_per_rank(steps: list[dict], train_s: float, total_bytes: int, sleep_s
                 per_rank_peak_rss_mb=[float(t[5]) / 2**20 for t in all_ranks])
 
 
+def is_local_step(rec: dict) -> bool:
+    """Whether a step record is a local step: it launched no round and its training
+    thread handed nothing to collectives (an overlapped round's background thread may
+    have, meanwhile: ``background_bytes``).
+
+    >>> is_local_step(dict(averaged=False, bytes=8, background_bytes=8))
+    True
+    >>> is_local_step(dict(averaged=False, bytes=8)), is_local_step(dict(averaged=True, bytes=0))
+    (False, False)
+    """
+    return not rec["averaged"] and rec["bytes"] == rec.get("background_bytes", 0)
+
+
 def handle_stats(handle, node_handle=None) -> dict | None:
     """Rounds, bytes, seconds and the bytes it holds (``memory_bytes``: every kind, every
     device) of an averaging handle, and the rounds of the node rounds' one."""
@@ -90,7 +103,7 @@ def summarize(steps: list[dict], evals: list[dict], *, rank: int, world: int, me
     if rank != 0:
         return None
     step_s = [r["step_s"] for r in steps]
-    local_s = [r["step_s"] for r in steps if not r["averaged"] and r["bytes"] == 0]
+    local_s = [r["step_s"] for r in steps if is_local_step(r)]
     wire0, wire1 = wire
     return dict(
         final_val_loss=evals[-1]["val_loss"],

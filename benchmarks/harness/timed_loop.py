@@ -92,16 +92,18 @@ def run(args, rank: int, world: int, meter, ctx: dict) -> dict | None:
     i = 0
     while handle.rounds_started < rounds:
         t0 = time.perf_counter()
-        b0 = meter.bytes
+        b0, g0 = meter.counts()
         batch = get_batch(train_data, args.batch_size, args.context, gen)
         # variant.after_step is handle.step
         loss, grad_wait, averaged, avg_s, parts = train_step(variant, opt, sched, meter, slow,
                                                              batch, t0)
         dt = time.perf_counter() - t0
-        nbytes = meter.bytes - b0
+        b1, g1 = meter.counts()
+        nbytes = b1 - b0
         train_s += dt
         total_bytes += nbytes
         steps.append(dict(step=i, loss=round(loss.item(), 5), step_s=round(dt, 6), bytes=nbytes,
+                          background_bytes=g1 - g0,
                           comm_s=round(grad_wait + avg_s, 6), averaged=averaged,
                           grad_wait_s=round(grad_wait, 6), **parts))
         i += 1

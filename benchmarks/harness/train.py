@@ -95,7 +95,10 @@ functionally DDP's built-in reduction, so their gradient buckets are counted too
 hooks ``handle.stats.bytes_sent`` is recorded as well and must agree. With 2 ranks a ring
 all-reduce puts about that many bytes on the wire per rank; with ``DAH_WIRE_IFACE`` set
 (the launcher does that in network namespaces) the kernel's transmit counter of that
-device is recorded too.
+device is recorded too. What an overlapped round's background thread hands over counts in
+the step during which it does (``background_bytes`` of the step's record says how much);
+a local step (``median_local_step_s``) is one that launched no round and whose training
+thread handed nothing over.
 
 Communication wait per step: DDP overlaps all-reduce with backward, so the wait that shows
 is from the last bucket's hand-off (the end of backward) to the last bucket's completion;
@@ -223,6 +226,10 @@ class CommMeter:
 
     Collectives on a group in ``skip_groups`` are not counted: an FSDP2 model's
     all-gathers inside its replica group, which never cross the link between the groups.
+    ``bytes`` counts every thread's; ``background_bytes`` the part handed over by other
+    threads than the one that installed the meter (an overlapped round's background
+    thread), so a step whose training thread communicated nothing is told apart from one
+    during which a round in flight did.
     """
 
     # collective -> (position, keyword) of the tensor this rank sends, position of `group`
@@ -234,12 +241,21 @@ class CommMeter:
 
     def __init__(self) -> None:
         self.bytes = 0
+        self.background_bytes = 0
+        self._thread = threading.get_ident()
+        self._lock = threading.Lock()
         self.calls: list[float] = []
         self.dones: list[float] = []
         self.skip_groups: list = []
         self._orig: dict[str, object] = {}
 
+    def counts(self) -> tuple[int, int]:
+        """``(bytes, background_bytes)``, read together (a background thread may be adding)."""
+        with self._lock:
+            return self.bytes, self.background_bytes
+
     def install(self) -> None:
+        self._thread = threading.get_ident()
         for name, where in self._WRAPPED.items():
             orig = getattr(dist, name, None)
             if orig is None or name in self._orig:
@@ -258,7 +274,11 @@ class CommMeter:
             group = args[group_pos] if len(args) > group_pos else kwargs.get("group")
             if isinstance(t, torch.Tensor) and not (
                     group is not None and any(group is g for g in self.skip_groups)):
-                self.bytes += t.numel() * t.element_size()
+                n = t.numel() * t.element_size()
+                with self._lock:
+                    self.bytes += n
+                    if threading.get_ident() != self._thread:
+                        self.background_bytes += n
             return fn(*args, **kwargs)
         wrapper.__wrapped__ = fn
         return wrapper
@@ -874,7 +894,7 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
     wire0 = records.read_wire(wire_if)
     for i in range(args.steps):
         t0 = time.perf_counter()
-        b0 = meter.bytes
+        b0, g0 = meter.counts()
         batch = get_batch(train_data, args.batch_size, args.context, gen)
         loss, grad_wait, averaged, avg_s, parts = train_step(variant, opt, sched, meter, slow,
                                                              batch, t0)
@@ -889,10 +909,12 @@ def _train(args, rank: int, world: int, meter: CommMeter) -> dict | None:
             while args.eval_every_s and now >= next_eval_s:
                 next_eval_s += args.eval_every_s
         dt = time.perf_counter() - t0
-        nbytes = meter.bytes - b0
+        b1, g1 = meter.counts()
+        nbytes = b1 - b0
         train_s += dt
         total_bytes += nbytes
         rec = dict(step=i, loss=round(loss.item(), 5), step_s=round(dt, 6), bytes=nbytes,
+                   background_bytes=g1 - g0,
                    comm_s=round(grad_wait + avg_s + variant.take_comm_s(), 6), averaged=averaged,
                    grad_wait_s=round(grad_wait, 6), **parts)
         steps.append(rec)

@@ -1,7 +1,10 @@
 """The training benchmark's byte meter counts what this rank hands to each collective the
 hooks issue, the all-gathers of the int8/int4 rounds included (checked against the hook's
-own ``bytes_sent``), and not those an FSDP2 model issues inside its replica group."""
+own ``bytes_sent``), and not those an FSDP2 model issues inside its replica group; what
+another thread than the training one hands over is counted apart as well."""
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,22 @@ def test_collectives_inside_a_skipped_group_are_not_counted():
         dist.all_gather_single(torch.empty(10), t)  # the default group: across the link
         dist.all_to_all_single(torch.empty(10), t)
         assert meter.bytes == 2 * 40
+    finally:
+        meter.uninstall()
+        dist.destroy_process_group()
+
+
+def test_what_another_thread_hands_over_is_counted_as_background():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    meter = CommMeter()
+    try:
+        meter.install()
+        t = torch.zeros(10)
+        dist.all_reduce(t)  # the training thread's
+        other = threading.Thread(target=lambda: dist.all_gather_single(torch.empty(10), t))
+        other.start()
+        other.join(timeout=30)
+        assert meter.counts() == (80, 40)
     finally:
         meter.uninstall()
         dist.destroy_process_group()
