@@ -434,6 +434,31 @@ def delayed_hook(hook, seconds: float):
     return delayed
 
 
+def coded_at_launch(hook):
+    """``hook`` handed a view of each bucket whose ``change_from_snapshot`` is ``False``:
+    the quantized hooks then code the change (still from the launch snapshot, the same
+    bits) on the training thread at the launch and issue their first collective there, on
+    the averaging group, instead of handing both to the background thread. The hook's spec
+    is kept (``functools.wraps``)."""
+    @functools.wraps(hook)
+    def at_launch(state, bucket):
+        return hook(state, _CodedAtLaunch(bucket))
+    return at_launch
+
+
+class _CodedAtLaunch:
+    """A bucket as :func:`coded_at_launch`'s hook sees it: itself, but for
+    ``change_from_snapshot``."""
+
+    change_from_snapshot = False
+
+    def __init__(self, bucket) -> None:
+        self._bucket = bucket
+
+    def __getattr__(self, name):
+        return getattr(self._bucket, name)
+
+
 class Shards:
     """An FSDP2 model's meshes: ``shards`` ranks per replica group, consecutive ranks."""
 
@@ -557,6 +582,8 @@ def build_variant(name: str, model: nn.Module, opt, meter: CommMeter, args) -> V
     dah, hook = _need_dah(spec.hook, name)
     if spec.inner_hook is not None:  # an outer optimizer over an averaging hook
         hook = hook(getattr(dah.hooks, spec.inner_hook))
+    if spec.coded_at_launch:
+        hook = coded_at_launch(hook)
     if args.round_delay > 0:
         hook = delayed_hook(hook, args.round_delay)
     node_handle = None

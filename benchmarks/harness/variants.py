@@ -52,6 +52,10 @@ class VariantSpec:
     - ``weighting``: ``TIMED``: the ``EverySeconds`` weighting (``"steps"``, ``"equal"``);
     - ``library``, ``needs``: ``PEER``: ``"torchft"`` or ``"accelerate"``, and the modules
       it imports;
+    - ``coded_at_launch``: the quantized hooks code the change on the training thread at
+      the launch and issue their collective there (``train.coded_at_launch``), as they do
+      for parameters other than float32/float64: the same round as the background-coded
+      one, bit for bit, for an A/B of where the work runs;
     - ``fsdp``: the model is FSDP2-sharded per transformer block: ``"native"`` over a 2-D
       (replicate, shard) mesh, native HSDP (gradients all-reduced across replica groups at
       every step); ``"shards"`` over a 1-D shard mesh per replica group (``--fsdp-shards``
@@ -76,6 +80,7 @@ class VariantSpec:
     library: str | None = None
     needs: tuple[str, ...] = ()
     fsdp: str | None = None
+    coded_at_launch: bool = False
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -135,6 +140,13 @@ _SPECS = (
                 fragments=True, fragment_layout="interleaved"),
     VariantSpec("int2_streaming_interleaved_next_step", OURS, hook="int2_compress_hook",
                 overlap=True, overlap_steps=1, fragments=True, fragment_layout="interleaved"),
+    # the same rounds coded on the training thread at the launch, not the background one
+    VariantSpec("int4_streaming_interleaved_coded_at_launch", OURS, hook="int4_compress_hook",
+                overlap=True, fragments=True, fragment_layout="interleaved",
+                coded_at_launch=True),
+    VariantSpec("int2_streaming_interleaved_coded_at_launch", OURS, hook="int2_compress_hook",
+                overlap=True, fragments=True, fragment_layout="interleaved",
+                coded_at_launch=True),
     # DDP's reducer left running after the warm-up (what the hook cost before it was skipped)
     VariantSpec("int4_streaming_reducer_on", OURS, hook="int4_compress_hook", overlap=True,
                 fragments=True, keep_reducer=True),

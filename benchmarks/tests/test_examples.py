@@ -115,6 +115,21 @@ def test_half_period_variant_launches_at_half_the_period(tmp_path):
     _check_background_rounds(r, 0.05, 0.085)
 
 
+def test_rounds_coded_at_the_launch_are_the_background_ones_bit_for_bit(tmp_path):
+    # applied at the next step: the same steps see the same rounds, wherever they are coded
+    extra = ["--fragments", "2", "--overlap-steps", "1"]
+    background = _run("int2_streaming_interleaved", tmp_path, extra)
+    at_launch = _run("int2_streaming_interleaved_coded_at_launch", tmp_path, extra)
+    assert [s["loss"] for s in at_launch["steps"]] == [s["loss"] for s in background["steps"]]
+    assert [e["val_loss"] for e in at_launch["evals"]] == \
+        [e["val_loss"] for e in background["evals"]]
+    _check_background_rounds(background, 0.025, 0.045)  # 2 bits of 1/2 the model: 0.035
+    # at the launch: every round's bytes handed over by the training thread, as it launches
+    sent = [s for s in at_launch["steps"] if s["bytes"]]
+    assert sent and all(s["background_bytes"] == 0 for s in sent)
+    assert [s["step"] for s in sent] == [s["step"] for s in at_launch["steps"] if s["averaged"]]
+
+
 def _check_background_rounds(r, lo: float, hi: float) -> None:
     """Overlapped float32 rounds: every byte handed over by the background thread, none by
     the training thread, each step's bytes a whole number of rounds of ``lo``..``hi`` of
