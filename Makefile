@@ -120,6 +120,12 @@ bench: ext
 	      --title "Slow link, overlapped rounds coded and sent from the background thread, 4-bit and 2-bit, 4 and 2 fragments, against the peers: $$rate Mbit/s, ~1M-parameter model, seed $$seed"; \
 	  done; \
 	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int4_streaming_interleaved,int4_streaming_interleaved_coded_at_launch,int2_streaming_interleaved,int2_streaming_interleaved_coded_at_launch \
+	    --variant-args "int2_streaming_interleaved=--period 4 --fragments 2 --overlap-steps 1" \
+	    --variant-args "int2_streaming_interleaved_coded_at_launch=--period 4 --fragments 2 --overlap-steps 1" \
+	    --out benchmarks/results/ideas_coding_thread_seed$$seed \
+	    --title "Where an overlapped round is coded: the background thread or the training thread at the launch, 4-bit (period 8, 4 fragments) and 2-bit (period 4, 2 fragments), 100 Mbit/s, seed $$seed"; \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
 	    --variants ddp,none,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
 	    --variant-args "int2_streaming_interleaved_next_step=--period 4" \
 	    --variant-args "int2_streaming_interleaved=--period 4 --fragments 2 --overlap-steps 1" \
