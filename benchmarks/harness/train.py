@@ -41,7 +41,10 @@ next to this file), listed here in its order:
   its launch, whenever it completes (``overlap_steps=1``);
   ``int2_streaming_interleaved``, ``int2_streaming_interleaved_next_step``: the same two
   with 2-bit codes (``int2_compress_hook``; run them at half the 4-bit ones' ``--period``
-  for about their bytes);
+  for about their bytes); ``int4_streaming_interleaved_coded_at_launch``,
+  ``int2_streaming_interleaved_coded_at_launch``: the rounds of ``int4_streaming_interleaved``
+  and ``int2_streaming_interleaved``, bit for bit, coded on the training thread at the
+  launch instead of the background thread (:func:`coded_at_launch`);
 - ``int4_streaming_reducer_on``: ``int4_streaming`` with DDP's gradient reducer left
   running after the warm-up (``handle.reducer_switch.release()``);
 - ``int4_optstate``, ``int4_streaming_optstate``: ``int4`` and ``int4_streaming`` with
