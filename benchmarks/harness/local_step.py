@@ -20,7 +20,8 @@ rank 0 writes ``<out>/metrics.json``: ``config`` and, per variant, one record pe
 (``block``, ``pos`` in the block, ``step_s``, ``bytes``, ``background_bytes``,
 ``averaged``, ``comm_s``, ``loss``). ``bytes`` counts every thread of the process, so a
 step's ``background_bytes`` can be the round of the variant before it, still in flight;
-``bytes - background_bytes`` is what the step's own training thread sent. ``bench_local_step.py`` turns them into ratios within each turn.
+``bytes - background_bytes`` is what the step's own training thread sent.
+``bench_local_step.py`` turns them into ratios within each turn.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 local_step.py \\
         --variants none,int4_streaming --blocks 4 --preset tiny --out /tmp/ls
