@@ -39,8 +39,8 @@
  *               scale (j < numel). e_in and e_out may be NULL, may alias x or each other.
  *   dequantize: D = q * scale of each value; sum_pieces 0: out[j] = base ? base[j] - D[j]
  *               : D[j] for j < numel <= pieces * piece_elems (the pieces back to back);
- *               sum_pieces 1: out[j] = D_0[j] + D_1[j] + ... added in piece order, for
- *               j < numel <= piece_elems (base must be NULL).
+ *               sum_pieces 1: S[j] = D_0[j] + D_1[j] + ... added in piece order, for
+ *               j < numel <= piece_elems; out[j] = base ? base[j] - S[j] : S[j].
  * No operation is fused (no FMA): the results equal the PyTorch reference bit for bit.
  */
 #ifndef DDP_AVG_HOOKS_KERNELS_H_

@@ -211,8 +211,8 @@ DAH_AVX2 int64_t dequant_cat_avx2(const Layout& L, const uint8_t* codes, float s
   return j;
 }
 
-DAH_AVX2 int64_t dequant_sum_avx2(const Layout& L, const uint8_t* packed, int64_t b, float* out,
-                                  int64_t n) {
+DAH_AVX2 int64_t dequant_sum_avx2(const Layout& L, const uint8_t* packed, int64_t b,
+                                  const float* base, float* out, int64_t n) {
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     __m256 acc = _mm256_setzero_ps();
@@ -221,7 +221,7 @@ DAH_AVX2 int64_t dequant_sum_avx2(const Layout& L, const uint8_t* packed, int64_
       const __m256 d = _mm256_mul_ps(load_codes8(L, codes, j), _mm256_set1_ps(L.scales(packed, p)[b]));
       acc = p == 0 ? d : _mm256_add_ps(acc, d);
     }
-    _mm256_storeu_ps(out + j, acc);
+    _mm256_storeu_ps(out + j, base == nullptr ? acc : _mm256_sub_ps(_mm256_loadu_ps(base + j), acc));
   }
   return j;
 }
@@ -423,17 +423,18 @@ int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t p
                        int64_t numel, int sum_pieces, int num_threads) {
   Layout L;
   if (!make_layout(bits, block, pieces, piece_elems, piece_bytes, &L) || numel < 0 ||
-      numel > (sum_pieces ? piece_elems : pieces * piece_elems) || (sum_pieces && base))
+      numel > (sum_pieces ? piece_elems : pieces * piece_elems))
     return DAH_EARG;
   const int64_t nblocks = (numel + block - 1) / block;
   parallel_blocks(nblocks, block, num_threads, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const int64_t g0 = k * block, n = std::min(block, numel - g0);
       float* o = out + g0;
+      const float* bs = base == nullptr ? nullptr : base + g0;
       int64_t j = 0;
       if (sum_pieces) {
 #ifdef DAH_Q_AVX2
-        if (kAvx2) j = dequant_sum_avx2(L, packed, k, o, n);
+        if (kAvx2) j = dequant_sum_avx2(L, packed, k, bs, o, n);
 #endif
         for (; j < n; ++j) {
           float acc = 0.0f;
@@ -442,13 +443,12 @@ int dah_dequantize_cpu(const uint8_t* packed, int bits, int64_t block, int64_t p
             const float d = code_at(L, codes, j) * L.scales(packed, p)[k];
             acc = p == 0 ? d : acc + d;
           }
-          o[j] = acc;
+          o[j] = bs == nullptr ? acc : bs[j] - acc;
         }
       } else {
         const int64_t p = k / L.blocks, b = k % L.blocks;
         const uint8_t* codes = packed + L.codes_offset(p) + b * block * bits / 8;
         const float s = L.scales(packed, p)[b];
-        const float* bs = base == nullptr ? nullptr : base + g0;
 #ifdef DAH_Q_AVX2
         if (kAvx2) j = dequant_cat_avx2(L, codes, s, bs, o, n);
 #endif

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kThreads)
     if (sum_pieces) {
       float acc = dequant_one(L, packed, 0, g);
       for (int64_t p = 1; p < L.pieces; ++p) acc = __fadd_rn(acc, dequant_one(L, packed, p, g));
-      out[g] = acc;
+      out[g] = base == nullptr ? acc : __fsub_rn(base[g], acc);
     } else {
       const float d = dequant_one(L, packed, g / L.piece_elems, g % L.piece_elems);
       out[g] = base == nullptr ? d : __fsub_rn(base[g], d);
@@ -218,7 +218,7 @@ int dah_dequantize_cuda(const uint8_t* packed, int bits, int64_t block, int64_t 
                         int64_t numel, int sum_pieces, void* stream) {
   QLayout L;
   if (!make_layout(bits, block, pieces, piece_elems, piece_bytes, &L) || numel < 0 ||
-      numel > (sum_pieces ? piece_elems : pieces * piece_elems) || (sum_pieces && base))
+      numel > (sum_pieces ? piece_elems : pieces * piece_elems))
     return static_cast<int>(cudaErrorInvalidValue);
   if (numel == 0) return 0;
   dequantize_kernel<<<grid_for(numel, kThreads), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(

@@ -273,15 +273,19 @@ def dequantize_blocks(packed: torch.Tensor, layout: QuantLayout, out: torch.Tens
                       sum_pieces: bool = False, base: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize ``packed`` into ``out``; returns ``out``.
 
-    ``sum_pieces=False``: the pieces back to back, ``out[j] = D[j]`` (or ``base[j] - D[j]``).
-    ``sum_pieces=True``: the pieces added element-wise in order, ``out[j] = sum_i D_i[j]``.
+    ``sum_pieces=False``: the pieces back to back, ``D[j]``. ``sum_pieces=True``: the
+    pieces added element-wise in order, ``D[j] = sum_i D_i[j]``. ``out[j] = D[j]``, or
+    with ``base``, ``base[j] - D[j]``.
     """
     n = out.numel()
     d = _decode(packed, layout, out.dtype)
     if sum_pieces:
-        out.copy_(d[0, :n])
+        total = out if base is None else torch.empty_like(out)  # base may be out
+        total.copy_(d[0, :n])
         for i in range(1, layout.pieces):
-            out.add_(d[i, :n])
+            total.add_(d[i, :n])
+        if base is not None:
+            torch.sub(base, total, out=out)
     elif base is None:
         out.copy_(d.view(-1)[:n])
     else:

@@ -445,9 +445,25 @@ def dequantize_blocks(
     """Dequantize ``packed`` into ``out`` (float32 or float64); returns ``out``.
 
     ``sum_pieces=False``: the pieces back to back (``out`` holds at most
-    ``layout.elems`` values), ``out = D`` or, with ``base``, ``out = base - D``.
-    ``sum_pieces=True``: the pieces added in order (``out`` holds at most
-    ``layout.piece_elems`` values).
+    ``layout.elems`` values), ``D``. ``sum_pieces=True``: the pieces added in order
+    (``out`` holds at most ``layout.piece_elems`` values), ``D``. With ``base`` (the
+    size and dtype of ``out``; it may be ``out`` itself), ``out = base - D`` in the same
+    pass, the same bits as ``torch.sub(base, D)``.
+
+    Example:
+        >>> import torch
+        >>> from ddp_avg_hooks import ops
+        >>> layout = ops.QuantLayout.for_bucket(4, 2, 4, 8)  # two pieces of 4 values
+        >>> packed = torch.zeros(layout.total_bytes, dtype=torch.uint8)
+        >>> ops.quantize_blocks(torch.tensor([1.0, 2.0, 0, 0, 3.0, 0, 0, 0]), packed, layout)
+        >>> total = ops.dequantize_blocks(packed, layout, torch.empty(4), sum_pieces=True)
+        >>> total.tolist()  # piece 0 + piece 1, as int8 codes hold them
+        [4.007874011993408, 2.0, 0.0, 0.0]
+        >>> base = torch.full((4,), 10.0)
+        >>> fused = ops.dequantize_blocks(packed, layout, torch.empty(4), sum_pieces=True,
+        ...                               base=base)
+        >>> torch.equal(fused, base - total)
+        True
     """
     op = "dequantize_blocks"
     _check_packed(packed, layout, op)
@@ -458,8 +474,6 @@ def dequantize_blocks(
                          + (" per piece" if sum_pieces else ""))
     tensors = [packed, out]
     if base is not None:
-        if sum_pieces:
-            raise ValueError(f"{op}: base= goes with sum_pieces=False")
         _check_like(base, out, "base", "out", op)
         tensors.append(base)
     ext = _quant_impl(tensors)

@@ -650,14 +650,21 @@ def _q_run(q, layout, x, e, base, case):
         minus = q.dequantize(packed, layout, torch.full((m,), 7.0, device=dev), base=base[:m])
         k = min(n, layout.piece_elems)
         summed = q.dequantize(packed, layout, torch.full((k,), 7.0, device=dev), sum_pieces=True)
-    return [packed, e_out, packed2, alias, plain, cat, minus, summed]
+        summed_minus = q.dequantize(packed, layout, torch.full((k,), 7.0, device=dev),
+                                    sum_pieces=True, base=base[:k])
+        in_place = base[:k].clone()  # base is out
+        q.dequantize(packed, layout, in_place, sum_pieces=True, base=in_place)
+    # the fused base - sum is the subtraction of the sum, bit for bit
+    assert_bits(summed_minus, torch.sub(base[:k], summed), "base - sum vs torch.sub")
+    assert_bits(in_place, summed_minus, "base - sum in place")
+    return [packed, e_out, packed2, alias, plain, cat, minus, summed, summed_minus]
 
 
 def _assert_same_outputs(got, want):
     """:func:`_q_run`'s outputs of a kernel against the reference's: bytes equal, floats
     bit for bit (nan where nan)."""
     names = ["packed", "e_out", "packed aliased", "e aliased",
-             "packed plain", "cat", "base - D", "sum"]
+             "packed plain", "cat", "base - D", "sum", "base - sum"]
     for name, a, b in zip(names, got, want):
         if a.dtype == torch.uint8:
             assert torch.equal(a.cpu(), b.cpu()), name
@@ -868,9 +875,9 @@ def _bad_quant_calls():
                    "quantize_blocks: layout must be a QuantLayout, got tuple"),
         "out-size": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(13)), V,
                      "dequantize_blocks: out has 13 elements but the layout holds 12"),
-        "base-with-sum": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(4), sum_pieces=True,
-                                                        base=torch.zeros(4)), V,
-                          "dequantize_blocks: base= goes with sum_pieces=False"),
+        "base-size": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(4), sum_pieces=True,
+                                                    base=torch.zeros(3)), V,
+                      "dequantize_blocks: base has 3 elements but out has 4"),
         "strided-out": (lambda: ops.dequantize_blocks(pk, L, torch.zeros(20)[::2]), V,
                         "dequantize_blocks: out must be a contiguous 1-D tensor"),
     }

@@ -267,10 +267,9 @@ def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         fut.wait()  # raises if the all-gather failed
-        total = ops.dequantize_blocks(recv, gathered, work, sum_pieces=True)
-        if out.dtype == total.dtype:  # total is the workspace itself: new = anchor - T
-            return torch.sub(anchor, total, out=out)
-        return _sub_(anchor, total, out)
+        if out.dtype == work.dtype:  # new = anchor - T in one pass
+            return ops.dequantize_blocks(recv, gathered, out, sum_pieces=True, base=anchor)
+        return _sub_(anchor, ops.dequantize_blocks(recv, gathered, work, sum_pieces=True), out)
 
     if not _codes_in_background(bucket):
         return code_and_gather(group).then(decompress)
