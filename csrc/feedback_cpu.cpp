@@ -6,8 +6,8 @@
 // One pass each: feedback_cast reads the anchor, the parameters and the residual once
 // and writes the output and the residual once; apply_delta reads the anchor and the
 // change once and writes the parameters and the anchor once; apply_progress reads the
-// values, the launch snapshot and the parameters once and writes the parameters and the
-// anchor once. The float32 operations
+// values, the launch snapshot and the parameters once and writes the parameters and (if
+// given) the anchor once. The float32 operations
 // are those of ddp_avg_hooks/_fallback.py in the same order, never fused (no FMA), so
 // the results are the same bits; AVX2/F16C bodies 8 elements at a time where the CPU
 // has them (cpu_loops.h's switch, which dah_cpu_simd sets), the scalar conversions of
@@ -69,7 +69,7 @@ DAH_AVX2 int64_t apply_progress_avx2(const typename V::T* __restrict v,
     const __m256 x = V8<V>::load(v + j);
     V8<P>::store(c, _mm256_sub_ps(x, V8<P>::load(l + j)));  // the correction, rounded
     V8<P>::store(p + j, _mm256_add_ps(V8<P>::load(p + j), V8<P>::load(c)));
-    V8<P>::store(a + j, x);
+    if (a != nullptr) V8<P>::store(a + j, x);
   }
   return j;
 }
@@ -104,7 +104,8 @@ void apply_delta_loop(Ptr<P> a, CPtr<C> c, Ptr<P> p, int64_t n) {
   }
 }
 
-// c = v - l and p = p + c, each rounded to the parameters' dtype; a = v, rounded
+// c = v - l and p = p + c, each rounded to the parameters' dtype; a = v, rounded (a may
+// be null: the parameters alone)
 template <class P, class V>
 void apply_progress_loop(CPtr<V> v, CPtr<P> l, Ptr<P> p, Ptr<P> a, int64_t n) {
   int64_t j = 0;
@@ -115,7 +116,7 @@ void apply_progress_loop(CPtr<V> v, CPtr<P> l, Ptr<P> p, Ptr<P> a, int64_t n) {
     const float x = V::load(v[j]);
     const typename P::T c = P::store(x - P::load(l[j]));
     p[j] = P::store(P::load(p[j]) + P::load(c));
-    a[j] = P::store(x);
+    if (a != nullptr) a[j] = P::store(x);
   }
 }
 
@@ -167,7 +168,7 @@ int dah_apply_progress_cpu(const void* values, int values_dtype, const void* lau
     rc = for_segments(numels, n, num_threads, [&](int64_t i, int64_t b, int64_t e) {
       const int64_t f = offsets[i] + b;
       apply_progress_loop<PT, VT>(at<VT>(values, f), at<PT>(launch, f), at<PT>(params[i], b),
-                                  at<PT>(anchor, f), e - b);
+                                  anchor == nullptr ? nullptr : at<PT>(anchor, f), e - b);
     });
   });
   return rc;

@@ -24,6 +24,7 @@
  * An overlapped round's write (launch and the anchor have the parameters' dtype P):
  *   apply_progress: c = cast_P(float(values[off+j]) - float(launch[off+j]));
  *              p[j] = cast_P(float(p[j]) + float(c)); anchor[off+j] = cast_P(values[off+j])
+ *              (anchor may be NULL: the parameters alone)
  *
  * Blockwise quantization (float32 only; ddp_avg_hooks/_quantize.py is the reference). A
  * payload holds `pieces` pieces of `piece_elems` values, a multiple of `block` (even);

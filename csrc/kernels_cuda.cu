@@ -58,7 +58,7 @@ __device__ __forceinline__ bool vec_aligned(const void* p) {
 
 // p: the parameter's slice; a: flat buffer A's slice (flatten/delta/feedback output,
 // unflatten/apply/apply-delta input); b: flat buffer B's slice (delta, feedback: the anchor,
-// read; apply, apply-progress: the anchor, written, may be null for apply; apply-delta: the
+// read; apply, apply-progress: the anchor, written, may be null; apply-delta: the
 // anchor, read and written); c: flat buffer C's slice (feedback: the residual, read and
 // written; apply-progress: the launch snapshot, read; null otherwise). N elements from there.
 template <int kMode, class P, class A, class B, class C, bool kScale, int N>
@@ -127,7 +127,7 @@ __device__ __forceinline__ void do_elems(typename P::T* p, typename A::T* a, typ
       an.v[k] = P::store(x);
     }
     *reinterpret_cast<Vec<PT, N>*>(p) = pv;
-    *reinterpret_cast<Vec<PT, N>*>(b) = an;
+    if (b != nullptr) *reinterpret_cast<Vec<PT, N>*>(b) = an;
   } else {  // kApply: B is P
     Vec<AT, N> in = *reinterpret_cast<const Vec<AT, N>*>(a);
     Vec<PT, N> out;

@@ -291,15 +291,20 @@ void apply_delta(const at::Tensor& anchor, const at::Tensor& change,
 }
 
 void apply_progress(const at::Tensor& values, const at::Tensor& launch,
-                    const std::vector<at::Tensor>& params, const at::Tensor& anchor) {
-  check_args("apply_progress_", params, {&values, &launch, &anchor});
-  check_anchor_dtype("apply_progress_", anchor, params);
+                    const std::vector<at::Tensor>& params,
+                    const std::optional<at::Tensor>& anchor) {
+  if (anchor.has_value()) {
+    check_args("apply_progress_", params, {&values, &launch, &*anchor});
+    check_anchor_dtype("apply_progress_", *anchor, params);
+  } else {
+    check_args("apply_progress_", params, {&values, &launch});
+  }
   check_anchor_dtype("apply_progress_", launch, params);
   Plan plan(params, /*writes=*/true, /*reads_too=*/true);
   const int vd = dtype_code(values.scalar_type());
   const void* v = values.data_ptr();
   const void* l = launch.data_ptr();
-  void* a = anchor.data_ptr();
+  void* a = anchor.has_value() ? anchor->data_ptr() : nullptr;
   run_groups(
       "apply_progress_", values, plan,
       [&](Group& g, int threads) {
@@ -313,7 +318,7 @@ void apply_progress(const at::Tensor& values, const at::Tensor& launch,
                                        g.dtype, a, stream);
       });
   plan.finish_writes(params);
-  bump(anchor);
+  if (anchor.has_value()) bump(*anchor);
 }
 
 // ---- blockwise quantization: float32 values, a uint8 payload (see kernels.h) ----
@@ -443,7 +448,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("anchor"), py::arg("change"), py::arg("params"), release());
   m.def("apply_progress_", &apply_progress,
         "params <- params + (values - launch), anchor <- values (an overlapped round)",
-        py::arg("values"), py::arg("launch"), py::arg("params"), py::arg("anchor"), release());
+        py::arg("values"), py::arg("launch"), py::arg("params"), py::arg("anchor") = py::none(),
+        release());
   m.def("quantize_blocks", &quantize_blocks,
         "blockwise quantization of x, or of (x - minus) * scale, (+ e_in) into packed; "
         "e_out <- what it lost",

@@ -138,16 +138,19 @@ def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
 
 @torch.no_grad()
 def apply_progress_(values: torch.Tensor, launch: torch.Tensor, params: Sequence[torch.Tensor],
-                    anchor: torch.Tensor) -> None:
+                    anchor: torch.Tensor | None = None) -> None:
     """An overlapped round's write: ``params <- params + (values - launch)``, the
     correction rounded to each parameter's dtype before the sum, which is rounded again;
-    ``anchor <- values`` rounded to the parameters' dtype. ``launch`` is left as it is."""
+    ``anchor <- values`` rounded to the parameters' dtype (when an anchor is given).
+    ``launch`` is left as it is."""
+    anchors = split_like(anchor, params) if anchor is not None else [None] * len(params)
     for v, at_launch, p, a in zip(split_like(values, params), split_like(launch, params),
-                                  params, split_like(anchor, params)):
+                                  params, anchors):
         correction = (v.to(_compute_dtype(v.dtype, p.dtype)) - at_launch).to(p.dtype)
         ct = _compute_dtype(p.dtype)
         p.copy_(p.to(ct) + correction.to(ct))
-        a.copy_(v)
+        if a is not None:
+            a.copy_(v)
 
 
 # ---------------------------------------------------------------- foreach tier
@@ -328,13 +331,27 @@ def foreach_apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
 
 @torch.no_grad()
 def foreach_apply_progress_(values: torch.Tensor, launch: torch.Tensor,
-                            params: Sequence[torch.Tensor], anchor: torch.Tensor) -> None:
+                            params: Sequence[torch.Tensor],
+                            anchor: torch.Tensor | None = None) -> None:
     """:func:`apply_progress_` with ``torch._foreach_*`` ops, in bounded chunks.
 
     The corrections are computed into the anchor (it has the parameters' dtype, so they
     are rounded as the parameters would round them), added to the parameters, and then
-    the anchor takes ``values``: no temporary the size of the bucket.
+    the anchor takes ``values``: no temporary the size of the bucket. Without an anchor
+    they are computed chunk by chunk into a scratch buffer of the parameters' dtype.
     """
+    if anchor is None:
+        if not all(p.is_contiguous() for p in params):  # a chunk of it would be a copy
+            apply_progress_(values, launch, params)
+            return
+        for dt, (ps, vv, lv) in _groups(params, values, launch).items():
+            ct, dev = _compute_dtype(values.dtype, dt), ps[0].device
+            limit = _CPU_CHUNK if dev.type == "cpu" else sum(t.numel() for t in ps)
+            for (pc, vc, lc), n in _batches(limit, ps, vv, lv):
+                corr = split_like(_scratch(n, dt, dev, slot=1), pc)
+                _scaled(ct, corr, vc, lc, 1.0)
+                torch._foreach_add_(pc, corr)
+        return
     for dt, (ps, vv, lv, av) in _groups(params, values, launch, anchor).items():
         _scaled(_compute_dtype(values.dtype, dt), av, vv, lv, 1.0)  # the corrections
         torch._foreach_add_(ps, av)

@@ -292,9 +292,9 @@ def apply_delta_(anchor: torch.Tensor, change: torch.Tensor,
 
 
 def apply_progress_(values: torch.Tensor, launch: torch.Tensor,
-                    params: Sequence[torch.Tensor], anchor: torch.Tensor) -> None:
+                    params: Sequence[torch.Tensor], anchor: torch.Tensor | None = None) -> None:
     """Write an overlapped round: ``params <- params + (values - launch)`` in place, and
-    ``anchor <- values``.
+    ``anchor <- values`` (when an anchor is given).
 
     ``launch`` holds the parameters as the round began, so each parameter keeps the
     progress it made since. The correction ``values - launch`` is rounded to the
@@ -302,7 +302,9 @@ def apply_progress_(values: torch.Tensor, launch: torch.Tensor,
     ``params += (values - launch).to(dtype)`` would; the anchor receives ``values``
     rounded to the parameters' dtype. ``launch`` and ``anchor`` have the parameters'
     dtype, ``values`` any float dtype; ``launch`` is not changed. No temporary the size
-    of the bucket.
+    of the bucket. Without an anchor the call writes only the parameters: a caller
+    whose ``values`` already have the parameters' dtype can keep ``values`` as the new
+    anchor instead of copying them.
 
     Example:
         >>> import torch
@@ -313,17 +315,17 @@ def apply_progress_(values: torch.Tensor, launch: torch.Tensor,
         ([2.0, 2.0], [1.0, 1.0])
     """
     params = _as_list(params)
-    _check_flats(((values, "values"), (launch, "launch"), (anchor, "anchor")), params,
-                 "apply_progress_")
-    _check_same_dtype(anchor, "anchor", params, "apply_progress_")
-    if launch.dtype != anchor.dtype:  # else checked with the anchor
+    flats = (values, launch) if anchor is None else (values, launch, anchor)
+    _check_flats(tuple(zip(flats, ("values", "launch", "anchor"))), params, "apply_progress_")
+    if anchor is not None:
+        _check_same_dtype(anchor, "anchor", params, "apply_progress_")
+    if anchor is None or launch.dtype != anchor.dtype:  # else checked with the anchor
         _check_same_dtype(launch, "launch", params, "apply_progress_")
-    storages = {t.untyped_storage().data_ptr() for t in (values, launch, anchor)}
-    if len(storages) < 3:  # a buffer passed twice: the reference reads before it writes
+    storages = {t.untyped_storage().data_ptr() for t in flats}
+    if len(storages) < len(flats):  # a buffer passed twice: the reference reads first
         _fallback.apply_progress_(values, launch, params, anchor)
         return
-    _feedback_impl(anchor, (values, launch, anchor), params).apply_progress_(
-        values, launch, params, anchor)
+    _feedback_impl(launch, flats, params).apply_progress_(values, launch, params, anchor)
 
 
 # ---------------------------------------------------------------- blockwise quantization

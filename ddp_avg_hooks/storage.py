@@ -191,7 +191,11 @@ class DeviceStorage:
         values = self.on_device(values)
         if (mixing is None and not keep_nonnegative and self.anchor is not None
                 and self.anchor.device == values.device):
-            ops.apply_progress_(values, launch, self.params, self.anchor)  # one pass
+            if self._owns(values):  # the round's workspace becomes the anchor: no copy
+                ops.apply_progress_(values, launch, self.params)
+                self._swap_with_anchor()
+            else:
+                ops.apply_progress_(values, launch, self.params, self.anchor)  # one pass
             self.end_round()
             return
         if self.anchor is not None:
@@ -216,6 +220,17 @@ class DeviceStorage:
     def on_device(self, t: torch.Tensor) -> torch.Tensor:
         """A flat result where the parameters are (an outer optimizer may step elsewhere)."""
         return t.reshape(-1)
+
+    def _owns(self, values: torch.Tensor) -> bool:
+        """Whether ``values`` is this storage's :meth:`workspace` (all of it), in the
+        anchor's dtype and memory: it may then become the anchor, the old anchor the
+        next workspace."""
+        return not self.offloaded and _is_whole(values, self._flat, self.anchor)
+
+    def _swap_with_anchor(self) -> None:
+        """Keep the workspace as the anchor; the old anchor is the workspace now (every
+        hook that takes it overwrites it)."""
+        self._flat, self.anchor = self.anchor, self._flat
 
     def end_round(self) -> None:
         """Drop what the round kept on the device for this bucket."""
@@ -364,6 +379,13 @@ class ZeroCopyStorage(DeviceStorage):
         self._follow_parameters()
         self.anchor = self._flat.clone()
 
+    def _owns(self, values: torch.Tensor) -> bool:
+        # the flat buffer is the parameters themselves: only the workspace may be swapped
+        return _is_whole(values, self._work, self.anchor)
+
+    def _swap_with_anchor(self) -> None:
+        self._work, self.anchor = self.anchor, self._work
+
     @no_grad
     def write(self, values: torch.Tensor) -> None:
         moved = self._moved()  # replaced during the round: they take its values too
@@ -380,6 +402,15 @@ class ZeroCopyStorage(DeviceStorage):
         yield from (("scratch", t) for t in (self._copy, self._work) if t is not None)
         if self.anchor is not None:
             yield "anchors", self.anchor
+
+
+def _is_whole(values: torch.Tensor, buffer: torch.Tensor | None, anchor: torch.Tensor) -> bool:
+    """Whether ``values`` is all of ``buffer`` (a flat view of it, from its first element),
+    with the anchor's dtype, device and size."""
+    return (buffer is not None and values.data_ptr() == buffer.data_ptr()
+            and values.numel() == buffer.numel() == anchor.numel()
+            and values.dtype == buffer.dtype == anchor.dtype
+            and values.device == anchor.device and values.is_contiguous())
 
 
 def _changed_parameter(p: torch.Tensor, shape: torch.Size, dtype: torch.dtype,

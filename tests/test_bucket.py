@@ -164,6 +164,40 @@ def test_an_overlapped_round_keeps_the_progress_made_meanwhile(storage, mixing):
     assert torch.equal(b.stored_anchor(), averaged)
 
 
+@pytest.mark.parametrize("storage", list(STORAGES))
+def test_an_overlapped_result_in_the_workspace_becomes_the_anchor_without_sharing_memory(
+        storage):
+    # two rounds in a row whose results the hook wrote into bucket.workspace(): each
+    # keeps the progress made meanwhile, the anchor takes the result's bits, and the next
+    # workspace is never the anchor's memory (a hook that fills it before it reads the
+    # anchor must not change the anchor)
+    ps = _params()
+    b = ParamBucket(0, ps, is_last=True, keep_anchor=True, storage=STORAGES[storage])
+    held = []
+    for step in range(3):
+        b.begin_round(overlapped=True)
+        launch = _flat(ps)
+        _move(ps, 0.5 + step)
+        now = _flat(ps)
+        anchor = b.stored_anchor().clone()
+        out = b.workspace()
+        assert out.untyped_storage().data_ptr() != b.stored_anchor().untyped_storage().data_ptr()
+        out.fill_(float("nan"))  # the hook's scratch use, before it reads the anchor
+        assert torch.equal(b.anchor(), anchor)
+        averaged = (launch + anchor) / 2 + step
+        out.copy_(averaged)
+        b.apply(out, overlapped=True)
+        assert torch.equal(_flat(ps), now + (averaged - launch))
+        assert torch.equal(b.stored_anchor(), averaged)
+        held.append(sorted((k, t.numel()) for k, t in b.memory_tensors()))
+        assert held[-1] == held[0]  # the same buffers, none made again
+    fresh = torch.full((b.numel(),), 2.0)  # not the workspace: the anchor copies it
+    b.begin_round(overlapped=True)
+    b.apply(fresh, overlapped=True)
+    assert torch.equal(b.stored_anchor(), fresh)
+    assert b.stored_anchor().data_ptr() != fresh.data_ptr()
+
+
 @pytest.mark.parametrize("device, on_host", [
     ("cpu", True), ("cpu", False),  # False: an accelerator's path (no host sync), on the CPU
     pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(),

@@ -138,11 +138,16 @@ def test_apply_delta_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dtypes
 @pytest.mark.parametrize("dtypes,values_dtype", [
     ((F32,) * 4, F32), ((F32,) * 4, F16), ((BF16,) * 4, F32), ((BF16,) * 4, BF16),
     ((F16,) * 4, F32), ((F64,) * 4, F32), ((F32,) * 4, F64)])
+@pytest.mark.parametrize("with_anchor", [True, False])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
 def test_apply_progress_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dtypes,
-                                         values_dtype):
+                                         values_dtype, with_anchor, layout):
     # an overlapped round: each parameter keeps its progress since the launch snapshot
+    # (without an anchor, only the parameters are written)
     monkeypatch.setattr(_fallback, "_CPU_CHUNK", chunk)
     ps = _params(dtypes)
+    if layout == "contiguous":  # the foreach tier chunks these without an anchor
+        ps = [p.contiguous() for p in ps]
     ptrs, strides = [p.data_ptr() for p in ps], [p.stride() for p in ps]
     dt = dtypes[0]
     g = torch.Generator().manual_seed(5)
@@ -158,10 +163,10 @@ def test_apply_progress_matches_the_rule(monkeypatch, tier, tier_ops, chunk, dty
     want = (params_now.to(_ct(dt)) + correction.to(_ct(dt))).to(dt)
     anchor, kept = torch.zeros(n, dtype=dt), launch.clone()
     _ext_takes(tier, anchor, ps, values, launch)
-    tier_ops[2](values, launch, ps, anchor)
+    tier_ops[2](values, launch, ps, anchor if with_anchor else None)
     assert _bits_equal(_flat_of(ps, dt), want)
     assert not torch.equal(want, values.to(dt))  # the progress was kept, not overwritten
-    assert _bits_equal(anchor, values.to(dt))
+    assert _bits_equal(anchor, values.to(dt) if with_anchor else torch.zeros(n, dtype=dt))
     assert _bits_equal(launch, kept)
     assert [p.data_ptr() for p in ps] == ptrs and [p.stride() for p in ps] == strides
 
