@@ -195,7 +195,11 @@ class ParamBucket:
 
     def workspace(self) -> torch.Tensor:
         """The storage of :meth:`buffer` *without* filling it, for hooks that overwrite
-        every element themselves (and so can skip the copy of the parameters)."""
+        every element themselves (and so can skip the copy of the parameters).
+
+        Ask for it in every round rather than keep it: an overlapped round whose result
+        is the workspace keeps that memory as the anchor, and the old anchor's memory is
+        the workspace from then on (never the anchor's own)."""
         self._round.loaded = True
         return self._storage.workspace()
 
@@ -235,6 +239,8 @@ class ParamBucket:
     def anchor(self) -> torch.Tensor:
         """Flat parameters as of the last averaging round, identical on every rank, on
         the parameters' device (with ``offload_state=True`` a copy kept for the round).
+        Read it during a round, not across rounds: the tensor may be another one in the
+        next round (see :meth:`workspace`).
 
         Raises ``RuntimeError`` when the hook did not ask for anchors.
         """
