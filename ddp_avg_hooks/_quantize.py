@@ -280,7 +280,10 @@ def dequantize_blocks(packed: torch.Tensor, layout: QuantLayout, out: torch.Tens
     n = out.numel()
     d = _decode(packed, layout, out.dtype)
     if sum_pieces:
-        total = out if base is None else torch.empty_like(out)  # base may be out
+        # the sum goes into out unless out is base's memory (then a temporary)
+        shared = (base is not None
+                  and base.untyped_storage().data_ptr() == out.untyped_storage().data_ptr())
+        total = torch.empty_like(out) if shared else out
         total.copy_(d[0, :n])
         for i in range(1, layout.pieces):
             total.add_(d[i, :n])
