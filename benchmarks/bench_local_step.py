@@ -31,7 +31,9 @@ over its repeats) times each run's step time x. Profiles as in
 Outputs: ``<out>/local_step_<profile>_seed<S>.json`` (each run's rows and per-turn
 ratios), ``<out>/meta.json`` (the command, the load, the minutes), the run
 folders under ``--runs-dir``, and the section "The local step, the variants taking turns
-in one run" of ``benchmarks/RESULTS.md``.
+in one run" of ``benchmarks/RESULTS.md`` (``--title``: another section).
+``--variant-args VARIANT=FLAGS`` gives one variant flags of its own (a period, fragments),
+after ``--train-args``, as in ``bench_train.py``.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ import time
 
 import torch
 
-from harness import launch, local_step, netns, records, report
+from harness import launch, local_step, netns, records, report, variants
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "harness", "local_step.py")
@@ -177,6 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--period", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--train-args", default="", help="more harness/train.py flags for every variant")
+    p.add_argument("--variant-args", action="append", default=[], metavar="VARIANT=FLAGS",
+                   help="more harness/train.py flags for one variant, after all others "
+                        "(repeatable; e.g. 'int2_streaming_interleaved=--period 4')")
     p.add_argument("--steps-from", default=STEPS_FROM, metavar="PROFILE=DIR,...",
                    help="bench_train.py results (DIR/train_summary.json, '{seed}' replaced) "
                         "whose steps x, times each run's step time x, give the x of limit")
@@ -184,6 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(HERE, "results", "local_step"))
     p.add_argument("--runs-dir", default=os.path.join(HERE, os.pardir, "out", "local_step"))
     p.add_argument("--results-md", default=os.path.join(HERE, "RESULTS.md"))
+    p.add_argument("--title", default=SECTION[3:],
+                   help="the RESULTS.md section's heading (without the '## '): another "
+                        "title keeps the default section as it is")
     p.add_argument("--replot", action="store_true",
                    help="rebuild the section from the JSON in --out; no training")
     a = p.parse_args(argv)
@@ -191,6 +199,10 @@ def main(argv=None) -> int:
     why = [w for w in map(local_step.refused, names) if w]
     if why:
         p.error("; ".join(why))
+    try:
+        variants.variant_flags(a.variant_args, names)
+    except ValueError as exc:
+        p.error(str(exc))
     if a.runs < 1:
         p.error(f"--runs {a.runs}: at least 1")
     if a.skip >= a.block_steps:
@@ -225,7 +237,8 @@ def main(argv=None) -> int:
         md += _part(prof.name, seed, runs, names[0], a.skip, steps_from.get(prof.name))
     with open(os.path.join(a.out, "section.md"), "w") as f:
         f.write("\n".join(md) + "\n")
-    report.write_section(a.results_md, _intro() + "\n\n" + "\n".join(md), title=SECTION)
+    report.write_section(a.results_md, _intro() + "\n\n" + "\n".join(md),
+                         title="## " + a.title)
     return 0
 
 
@@ -282,7 +295,7 @@ def _part(profile: str, seed: int, runs: list[dict], none: str, skip: int,
            f"{len(rows[0])} variants in {cfg['blocks']} timed turns of {cfg['block_steps']} "
            f"steps each (the first {skip} of each block left out), {len(runs)} "
            f"run{'s' if len(runs) > 1 else ''} ({minutes} min); medians over the turns, "
-           "min-max in brackets.", "", *table(rows, none), ""]
+           "min-max in brackets." + _flags_note(cfg), "", *table(rows, none), ""]
     if len(runs) > 1:
         moved = between_runs(rows, none)
         out += [f"Between the runs, a variant's median moved by at most "
@@ -291,6 +304,19 @@ def _part(profile: str, seed: int, runs: list[dict], none: str, skip: int,
     if steps_dir:
         out += composed_limit(rows, steps_dir.format(seed=seed), profile, none) + [""]
     return out
+
+
+def _flags_note(config: dict) -> str:
+    """' Each variant's own flags: ...' from a run's config ('' without any).
+
+    >>> _flags_note(dict(variant_flags={"x": ["--period", "4"]}))
+    " Each variant's own flags: `x` `--period 4`."
+    """
+    own = config.get("variant_flags") or {}
+    if not own:
+        return ""
+    return " Each variant's own flags: " + "; ".join(
+        f"`{v}` `{shlex.join(f)}`" for v, f in own.items()) + "."
 
 
 def composed_limit(runs: list[list[dict]], steps_dir: str, profile: str,
@@ -347,7 +373,8 @@ def _intro() -> str:
 def _run(a, prof, seed: int, n: int) -> dict:
     args = ["--variants", a.variants, "--blocks", str(a.blocks), "--block-steps",
             str(a.block_steps), "--preset", a.preset, "--period", str(a.period), "--lr",
-            str(a.lr), "--seed", str(seed), "--progress", "off", *shlex.split(a.train_args)]
+            str(a.lr), "--seed", str(seed), "--progress", "off", *shlex.split(a.train_args),
+            *[arg for spec in a.variant_args for arg in ("--variant-args", spec)]]
     out = os.path.join(a.runs_dir, f"{prof.name}_seed{seed}_run{n + 1}")
     t0 = time.time()
     if prof.shaped:

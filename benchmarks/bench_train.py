@@ -53,7 +53,7 @@ import torch
 
 from harness import launch, netns, report, uneven
 from harness.train import split_available
-from harness.variants import TIMED, names_of
+from harness.variants import TIMED, names_of, variant_flags
 from harness.variants import VARIANTS as VARIANT_SPECS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     variants, unavailable = split_available(a.variants)
     notes = [f"variant {u} (not run)" for u in unavailable]
     try:
-        a.flags_of = _variant_flags(a.variant_args, variants)
+        a.flags_of = variant_flags(a.variant_args, variants)
     except ValueError as exc:
         p.error(str(exc))
     notes += [f"{v}: its runs add `{' '.join(f)}`" for v, f in a.flags_of.items()]
@@ -264,25 +264,6 @@ def _run_variant(a, prof, v: str, rep: int, runs: dict, first: dict | None, comm
           f"mean={s['mean_step_s'] * 1e3:7.1f}ms MB/step={s['bytes_per_step'] / 1e6:6.3f} "
           f"comm={report.comm_wait(s):.0%} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
     return run
-
-
-def _variant_flags(specs: list[str], variants: list[str]) -> dict[str, list[str]]:
-    """``--variant-args`` as ``{variant: flags}``.
-
-    >>> _variant_flags(["int4_streaming=--lr 7e-4"], ["ddp", "int4_streaming"])
-    {'int4_streaming': ['--lr', '7e-4']}
-    """
-    out: dict[str, list[str]] = {}
-    for spec in specs:
-        name, sep, flags = spec.partition("=")
-        if not sep or not flags.strip():
-            raise ValueError(f"--variant-args {spec!r}: expected VARIANT=FLAGS, e.g. "
-                             f"'int4_streaming=--lr 7e-4'")
-        if name not in variants:
-            raise ValueError(f"--variant-args {spec!r}: {name!r} is not among --variants "
-                             f"({','.join(variants)})")
-        out.setdefault(name, []).extend(shlex.split(flags))
-    return out
 
 
 def _profile_names(a) -> list[str]:

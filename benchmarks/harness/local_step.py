@@ -2,7 +2,8 @@
 
 Run by torchrun like ``train.py`` (``bench_local_step.py`` launches it on loopback or as
 two "nodes" in network namespaces). Every rank builds each ``--variants`` entry exactly as
-``train.py --hook <variant>`` does (its own model from ``--seed``, AdamW, learning-rate
+``train.py --hook <variant>`` does, given the shared flags and then the variant's own
+``--variant-args`` (its own model from ``--seed``, AdamW, learning-rate
 warm-up, DDP and hook or averager, its own batch generator) and then trains them in turns:
 ``--blocks`` + 1 blocks of ``--block-steps`` steps each, the order of the variants rotated
 by one every block, block 0 a warm-up. So a drift in the shared cores' speed, on the
@@ -70,12 +71,16 @@ def turn_order(names: list[str], block: int) -> list[str]:
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
-    """This script's flags, and the rest: ``train.py``'s flags for every variant."""
+    """This script's flags (``flags_of``: each variant's own ``train.py`` flags, from
+    ``--variant-args``), and the rest: ``train.py``'s flags for every variant."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", required=True, help="comma-separated train.py --hook names")
     p.add_argument("--blocks", type=int, default=30, help="timed blocks of each variant")
     p.add_argument("--block-steps", type=int, default=BLOCK_STEPS,
                    help="steps of one variant before the next takes its turn")
+    p.add_argument("--variant-args", action="append", default=[], metavar="VARIANT=FLAGS",
+                   help="more train.py flags for one variant, after the shared ones "
+                        "(repeatable; e.g. 'int2_streaming_interleaved=--period 4')")
     a, rest = p.parse_known_args(argv)
     a.variants = [v for v in a.variants.split(",") if v]
     why = [w for w in map(refused, a.variants) if w]
@@ -85,16 +90,20 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         p.error(f"--variants {','.join(a.variants)}: a variant appears twice")
     if a.blocks < 1 or a.block_steps < 1:
         p.error(f"--blocks {a.blocks} and --block-steps {a.block_steps} must be >= 1")
+    try:
+        a.flags_of = variants.variant_flags(a.variant_args, a.variants)
+    except ValueError as exc:
+        p.error(str(exc))
     return a, rest
 
 
 class Turn:
     """One variant as ``train.py --hook <name>`` builds it, trained a block at a time."""
 
-    def __init__(self, name: str, rest: list[str], meter: train.CommMeter, rank: int,
+    def __init__(self, name: str, flags: list[str], meter: train.CommMeter, rank: int,
                  train_data: torch.Tensor) -> None:
         self.name = name
-        self.args = args = train.parse_args([*rest, "--hook", name])
+        self.args = args = train.parse_args([*flags, "--hook", name])
         torch.manual_seed(args.seed)  # train.py's order: the seed, then the model
         model = train.CharTransformer(args.d_model, args.n_layers, args.n_heads, args.context)
         self.opt, self.sched = train.optimizer_and_schedule(model, args)
@@ -137,7 +146,8 @@ def main(argv=None) -> None:
     meter = train.CommMeter()
     try:
         train_data, _ = train.split(train.load_corpus(first.corpus_bytes), first.val_frac)
-        turns = [Turn(v, rest, meter, rank, train_data) for v in a.variants]
+        turns = [Turn(v, [*rest, *a.flags_of.get(v, [])], meter, rank, train_data)
+                 for v in a.variants]
         if any(variants.VARIANTS[v].ours for v in a.variants):
             from ddp_avg_hooks import ops
             ops.backend()  # load (or build) the extension before the first block
@@ -151,8 +161,9 @@ def main(argv=None) -> None:
         for t in turns:
             t.finish()
         if rank == 0 and first.out:
-            config = dict(vars(first), hook=None, variants=a.variants, blocks=a.blocks,
-                          block_steps=a.block_steps, world_size=dist.get_world_size(),
+            config = dict(vars(first), hook=None, variants=a.variants,
+                          variant_flags=a.flags_of, blocks=a.blocks, block_steps=a.block_steps,
+                          world_size=dist.get_world_size(),
                           torch=torch.__version__, elapsed_s=round(elapsed, 3))
             records.write_metrics(first.out, dict(
                 config=config, turns={t.name: t.records for t in turns}))

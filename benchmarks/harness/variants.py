@@ -12,6 +12,7 @@ fields, never the names.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 # families: what builds the variant
 NONE = "none"                      # no communication at all
@@ -197,3 +198,24 @@ VARIANTS: dict[str, VariantSpec] = {spec.name: spec for spec in _SPECS}
 def names_of(*families: str) -> list[str]:
     """The variants of these families, in :data:`VARIANTS` order."""
     return [name for name, spec in VARIANTS.items() if spec.family in families]
+
+
+def variant_flags(specs: list[str], variants: list[str]) -> dict[str, list[str]]:
+    """``--variant-args VARIANT=FLAGS`` entries as ``{variant: flags}``, the flags of a
+    variant named twice joined in order; a malformed entry or a variant not in
+    ``variants`` raises ``ValueError`` saying which.
+
+    >>> variant_flags(["int4_streaming=--lr 7e-4"], ["ddp", "int4_streaming"])
+    {'int4_streaming': ['--lr', '7e-4']}
+    """
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not flags.strip():
+            raise ValueError(f"--variant-args {spec!r}: expected VARIANT=FLAGS, e.g. "
+                             f"'int4_streaming=--lr 7e-4'")
+        if name not in variants:
+            raise ValueError(f"--variant-args {spec!r}: {name!r} is not among --variants "
+                             f"({','.join(variants)})")
+        out.setdefault(name, []).extend(shlex.split(flags))
+    return out

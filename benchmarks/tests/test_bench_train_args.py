@@ -7,8 +7,10 @@ import os
 import pytest
 
 
-def test_variant_flags_are_split_and_joined_per_variant(bench_train):
-    flags = bench_train._variant_flags(
+def test_variant_flags_are_split_and_joined_per_variant():
+    from harness.variants import variant_flags
+
+    flags = variant_flags(
         ["int4_streaming=--lr 7e-4", "ddp=--lr-warmup 10", "int4_streaming=--mixing 0.5"],
         ["ddp", "none", "int4_streaming"])
     assert flags == {"int4_streaming": ["--lr", "7e-4", "--mixing", "0.5"],

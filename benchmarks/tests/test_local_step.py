@@ -13,6 +13,7 @@ from harness import launch, local_step
 
 COMMON = ["--preset", "tiny", "--lr", "3e-3", "--period", "4", "--corpus-bytes", "400000",
           "--seed", "1", "--timeout", "60"]
+TITLE = "The local step of two fragments, taking turns"
 BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -56,20 +57,46 @@ def test_each_variant_computes_what_its_own_run_computes(tmp_path):
                for r in turns["none"])
 
 
+def test_a_variants_own_flags_reach_it_alone(tmp_path):
+    # the same hook twice over is refused, so two hooks: one with its own period and
+    # fragments, one without; each loses what its own train.py run with those flags loses
+    own = ["--period", "2", "--fragments", "2"]
+    names = ["none", "int4_streaming_interleaved_next_step", "allreduce"]
+    run = launch.run_training(
+        ["--variants", ",".join(names), "--blocks", "1", "--block-steps", "8", *COMMON,
+         "--variant-args", f"{names[1]}={' '.join(own)}"],
+        str(tmp_path / "turns"), script=local_step.__file__, timeout_s=180)
+    assert run["config"]["variant_flags"] == {names[1]: own}
+    for name, flags in [(names[1], own), (names[2], [])]:
+        alone = launch.run_training(
+            ["--hook", name, "--steps", "16", "--eval-every", "0", "--progress", "off",
+             *COMMON, *flags], str(tmp_path / name), timeout_s=180)
+        assert [r["loss"] for r in run["turns"][name]] == [r["loss"] for r in alone["steps"]]
+        assert [r["averaged"] for r in run["turns"][name]] == \
+            [r["averaged"] for r in alone["steps"]], name
+    # period 2 in 2 fragments: a round at every step after the warm-up, unlike period 4
+    assert sum(r["averaged"] for r in run["turns"][names[1]]) > \
+        sum(r["averaged"] for r in run["turns"][names[2]])
+
+
 def test_turn_order_rotates_by_one_per_block():
     assert [local_step.turn_order(["a", "b", "c"], k) for k in range(4)] == \
         [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
 
 
-@pytest.mark.parametrize("variants, says", [
-    ("none,torchft_diloco", "peer libraries"),
-    ("none,fsdp_int8", "FSDP2"),
-    ("none,no_such_hook", "unknown variant 'no_such_hook'"),
-    ("none,int4_streaming,none", "appears twice"),
+@pytest.mark.parametrize("argv, says", [
+    (["--variants", "none,torchft_diloco"], "peer libraries"),
+    (["--variants", "none,fsdp_int8"], "FSDP2"),
+    (["--variants", "none,no_such_hook"], "unknown variant 'no_such_hook'"),
+    (["--variants", "none,int4_streaming,none"], "appears twice"),
+    (["--variants", "none,int4_streaming", "--variant-args", "int4_streaming"],
+     "expected VARIANT=FLAGS"),
+    (["--variants", "none,int4_streaming", "--variant-args", "int8_streaming=--period 4"],
+     "'int8_streaming' is not among --variants (none,int4_streaming)"),
 ])
-def test_variants_that_cannot_take_turns_are_refused(variants, says, capsys):
+def test_variants_that_cannot_take_turns_are_refused(argv, says, capsys):
     with pytest.raises(SystemExit):
-        local_step.parse_args(["--variants", variants])
+        local_step.parse_args(argv)
     assert says in capsys.readouterr().err
 
 
@@ -127,6 +154,7 @@ def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
                        "--block-steps", "4", "--skip", "1", "--preset", "tiny", "--runs", "2",
                        "--variants", "none,int4_streaming", "--train-args",
                        "--corpus-bytes 400000 --timeout 60", "--out", str(tmp_path / "res"),
+                       "--variant-args", "int4_streaming=--fragments 2", "--title", TITLE,
                        "--runs-dir", str(tmp_path / "runs"), "--results-md", str(md)]) == 0
     saved = json.loads((tmp_path / "res" / "local_step_loopback_seed0.json").read_text())
     assert len(saved["runs"]) == 2
@@ -134,14 +162,17 @@ def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
         assert [r["variant"] for r in run["rows"]] == ["none", "int4_streaming"]
         assert [t["turn"] for t in run["turns"]["int4_streaming"]] == [1, 2]
     text = md.read_text()
-    assert "## Another section\n\nkept" in text and bench.SECTION in text
+    section = "## " + TITLE
+    assert "## Another section\n\nkept" in text and section in text
+    assert bench.SECTION not in text
     assert "| `int4_streaming` | 2 |" in text and "Between the runs" in text
+    assert "Each variant's own flags: `int4_streaming` `--fragments 2`." in text
     # --replot rebuilds the same section from the JSON alone
     md.write_text("# Benchmark results\n")
     assert bench.main(["--profiles", "loopback", "--seeds", "0", "--skip", "1", "--variants",
                        "none,int4_streaming", "--out", str(tmp_path / "res"), "--results-md",
-                       str(md), "--replot"]) == 0
-    assert bench.SECTION + text.split(bench.SECTION)[1] in md.read_text()
+                       str(md), "--title", TITLE, "--replot"]) == 0
+    assert section + text.split(section)[1] in md.read_text()
 
 
 def test_the_limit_is_composed_from_a_bench_train_run(bench, tmp_path):
@@ -162,6 +193,9 @@ def test_bench_refuses_what_it_cannot_measure(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--variants", "none,accelerate_localsgd", "--profiles", "loopback"])
     assert "peer libraries" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--profiles", "loopback", "--variant-args", "int2_streaming=--period 4"])
+    assert "'int2_streaming' is not among --variants" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--profiles", "loopback", "--skip", "16"])
     assert "--skip 16" in capsys.readouterr().err
