@@ -209,6 +209,14 @@ bench: ext
 	    --title "The local step with DDP's gradient reducer off after the warm-up, and kept on, loopback, seed $$seed" || exit 1; \
 	done
 	$(PY) benchmarks/bench_local_step.py
+	$(PY) benchmarks/bench_local_step.py \
+	  --variants none,int4_streaming_interleaved,int4_streaming_interleaved_next_step,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
+	  --variant-args "int4_streaming_interleaved_next_step=--fragments 2" \
+	  --variant-args "int2_streaming_interleaved_next_step=--period 4" \
+	  --variant-args "int2_streaming_interleaved=--period 4 --fragments 2 --overlap-steps 1" \
+	  --steps-from "100mbit=results/slow_link_background_100mbit_seed{seed},25mbit=results/slow_link_background_25mbit_seed{seed}" \
+	  --title "The local step of the overlapped rounds coded in the background, the variants taking turns in one run" \
+	  --out benchmarks/results/local_step_background --runs-dir out/local_step_background
 	$(PY) benchmarks/bench_overlap_staleness.py
 	$(PY) benchmarks/bench_lr_steps.py --seeds 0,1
 	$(PY) benchmarks/bench_optimizer_state_steps.py --seeds 0,1,2,3,4
