@@ -15,6 +15,13 @@ turns with their min-max:
   validations);
 - comm wait: the share of the step time spent in the averaging call and gradient sync.
 
+A second table splits the mean step (every step of the block) into its parts, each the
+median over the turns: forward and backward (and its ratio to ``none``'s in the same
+turn), the optimizer, the averaging call, and the CPU time the process's other threads
+(the rounds' background coding, gloo's threads) used during the step. On shared cores
+that CPU time comes out of the training threads: it is what slows a local step beside a
+round in flight.
+
 The first ``--skip`` steps of each block are left out (a round of the variant before
 may still be finishing), and the first turn warms up. ``--runs`` measures every profile
 and seed that many times, one after the other, and says how far the medians moved
@@ -57,6 +64,8 @@ TARGET = 1.05  # local step over none's
 STEPS_FROM = ("100mbit=results/slow_link_best_seed{seed},"
               "25mbit=results/slow_link_25mbit_seed{seed}")
 METRICS = ("local_x", "step_x", "comm")
+#: the step's parts in the breakdown, in ms (``harness/local_step.py``'s PARTS)
+PART_KEYS = ("fwd_bwd_ms", "opt_ms", "avg_ms", "other_cpu_ms")
 
 
 def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2) -> dict:
@@ -86,10 +95,13 @@ def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2)
                 continue
             local_x = b["local_s"] / ref["local_s"] if b["local_s"] and ref["local_s"] \
                 else None
+            fwd_x = b["fwd_bwd_ms"] / ref["fwd_bwd_ms"] \
+                if b["fwd_bwd_ms"] is not None and ref["fwd_bwd_ms"] else None
             rows.append(dict(turn=block, mean_ms=b["mean_s"] * 1e3,
                              step_x=b["mean_s"] / ref["mean_s"],
                              local_ms=b["local_s"] * 1e3 if b["local_s"] else None,
-                             local_x=local_x, comm=b["comm"]))
+                             local_x=local_x, comm=b["comm"], fwd_bwd_x=fwd_x,
+                             **{k: b[k] for k in PART_KEYS}))
         out[name] = rows
     return out
 
@@ -100,8 +112,11 @@ def _block(recs: list[dict]) -> dict:
     mean step, and its comm wait share."""
     local = [r["step_s"] for r in recs if records.is_local_step(r)]
     total = sum(r["step_s"] for r in recs)
+    parts = {key: (sum(r[part] for r in recs) / len(recs) * 1e3
+                   if all(part in r for r in recs) else None)  # runs made before the parts
+             for key, part in zip(PART_KEYS, local_step.PARTS)}
     return dict(local_s=statistics.median(local) if local else None, mean_s=total / len(recs),
-                comm=sum(r["comm_s"] for r in recs) / total)
+                comm=sum(r["comm_s"] for r in recs) / total, **parts)
 
 
 def summarize(ratios: dict[str, list[dict]]) -> list[dict]:
@@ -113,7 +128,8 @@ def summarize(ratios: dict[str, list[dict]]) -> list[dict]:
     numbers = sorted({t["turn"] for rows in ratios.values() for t in rows})
     per_turn = [[dict(t, variant=name) for name, rows in ratios.items() for t in rows
                  if t["turn"] == k] for k in numbers]
-    rows = report.aggregate(per_turn, keys=(*METRICS, "local_ms", "mean_ms"))
+    rows = report.aggregate(per_turn, keys=(*METRICS, "local_ms", "mean_ms", "fwd_bwd_x",
+                                            *PART_KEYS))
     for r in rows:
         r["turns"] = r["repeats"]
         local = [v for v in r["local_x_values"] if v is not None]
@@ -144,6 +160,26 @@ def table(runs: list[list[dict]], none: str = "none") -> list[str]:
                 if ours else "",
                 f"{r['mean_ms']:.1f}", ranged(r, "step_x", ".3f") if ours else "1",
                 ranged(r, "comm", ".1%")]) + " |")
+    return lines
+
+
+def breakdown(runs: list[list[dict]], none: str = "none") -> list[str]:
+    """The parts of each run's mean step as markdown, variant by variant (medians over
+    the turns); no lines for runs made before the parts were kept."""
+    if any(r.get("fwd_bwd_ms") is None for rows in runs for r in rows):
+        return []
+    many = len(runs) > 1
+    lines = ["| variant | " + ("run | " if many else "") + "forward and backward, ms | "
+             "x `none` | optimizer, ms | averaging call, ms | other threads' CPU, ms a step |",
+             "|---" * (6 + many) + "|"]
+    for i, name in enumerate(r["variant"] for r in runs[0]):
+        for k, rows in enumerate(runs):
+            r = rows[i]
+            lo, hi = r["fwd_bwd_x_range"]
+            lines.append("| " + " | ".join([
+                f"`{name}`", *([str(k + 1)] if many else []), f"{r['fwd_bwd_ms']:.1f}",
+                f"{r['fwd_bwd_x']:.3f} ({lo:.3f}–{hi:.3f})" if name != none else "1",
+                f"{r['opt_ms']:.2f}", f"{r['avg_ms']:.2f}", f"{r['other_cpu_ms']:.2f}"]) + " |")
     return lines
 
 
@@ -296,6 +332,9 @@ def _part(profile: str, seed: int, runs: list[dict], none: str, skip: int,
            f"steps each (the first {skip} of each block left out), {len(runs)} "
            f"run{'s' if len(runs) > 1 else ''} ({minutes} min); medians over the turns, "
            "min-max in brackets." + _flags_note(cfg), "", *table(rows, none), ""]
+    parts = breakdown(rows, none)
+    if parts:
+        out += ["Where the mean step goes (medians over the turns):", "", *parts, ""]
     if len(runs) > 1:
         moved = between_runs(rows, none)
         out += [f"Between the runs, a variant's median moved by at most "

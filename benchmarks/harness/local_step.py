@@ -19,9 +19,11 @@ weigh on the next variant's timed steps.
 Each step is timed as ``train.py`` times it (``train.train_step``, the batch included);
 rank 0 writes ``<out>/metrics.json``: ``config`` and, per variant, one record per step
 (``block``, ``pos`` in the block, ``step_s``, ``bytes``, ``background_bytes``,
-``averaged``, ``comm_s``, ``loss``). ``bytes`` counts every thread of the process, so a
-step's ``background_bytes`` can be the round of the variant before it, still in flight;
-``bytes - background_bytes`` is what the step's own training thread sent.
+``averaged``, ``comm_s``, ``loss``, and the parts of :data:`PARTS`: forward and backward,
+optimizer, averaging call, and the CPU time the process's other threads used meanwhile).
+``bytes`` counts every thread of the process, so a step's ``background_bytes`` can be the
+round of the variant before it, still in flight; ``bytes - background_bytes`` is what the
+step's own training thread sent.
 ``bench_local_step.py`` turns them into ratios within each turn.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 local_step.py \\
@@ -47,6 +49,8 @@ else:  # run as a script: this folder is sys.path[0]
     import variants
 
 BLOCK_STEPS = 16
+#: the parts of each step's time that ``train.train_step`` measures, kept per step
+PARTS = ("fwd_bwd_s", "opt_s", "avg_s", "other_cpu_s")
 
 
 def refused(name: str) -> str | None:
@@ -120,7 +124,7 @@ class Turn:
             t0 = time.perf_counter()
             b0, g0 = self.meter.counts()
             batch = train.get_batch(self.data, a.batch_size, a.context, self.gen)
-            loss, grad_wait, averaged, avg_s, _ = train.train_step(
+            loss, grad_wait, averaged, avg_s, parts = train.train_step(
                 self.variant, self.opt, self.sched, self.meter, self.slow, batch, t0)
             dt = time.perf_counter() - t0
             b1, g1 = self.meter.counts()
@@ -128,7 +132,8 @@ class Turn:
                 block=index, pos=pos, step_s=round(dt, 6), bytes=b1 - b0,
                 background_bytes=g1 - g0,
                 averaged=averaged, loss=round(loss.item(), 5),
-                comm_s=round(grad_wait + avg_s + self.variant.take_comm_s(), 6)))
+                comm_s=round(grad_wait + avg_s + self.variant.take_comm_s(), 6),
+                **{k: parts[k] for k in PARTS}))
 
     def finish(self) -> None:
         """Wait for the rounds still in flight (before the process group goes)."""

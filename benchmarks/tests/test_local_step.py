@@ -39,6 +39,7 @@ def test_each_variant_computes_what_its_own_run_computes(tmp_path):
         ["--variants", ",".join(names), "--blocks", "2", "--block-steps", "8", *COMMON],
         str(tmp_path / "turns"), script=local_step.__file__, timeout_s=180)["turns"]
     assert list(turns) == names
+    assert all(set(local_step.PARTS) <= set(r) for recs in turns.values() for r in recs)
     for name in names:
         assert [(r["block"], r["pos"]) for r in turns[name]] == \
             [(b, p) for b in range(3) for p in range(8)]
@@ -135,6 +136,30 @@ def test_ratios_are_taken_within_a_turn_and_leave_out_the_warmup(bench):
     assert bench.between_runs([rows, later])["local_x"] == pytest.approx(0.03)
 
 
+def test_the_mean_step_is_split_into_its_parts_within_a_turn(bench):
+    # turn 1: none's forward and backward 8 ms a step, x's 8.8 (its round's background
+    # work beside it, 0.5 ms of other threads' CPU a step); turn 2 the host twice as slow
+    def rec(block, pos, fwd, avg=0.0, other=0.0):
+        return dict(_rec(block, pos, fwd + 0.002 + avg, comm_s=avg), fwd_bwd_s=fwd,
+                    opt_s=0.002, avg_s=avg, other_cpu_s=other)
+    turns = {"none": [rec(1, 1, 0.008), rec(1, 2, 0.008), rec(2, 1, 0.016), rec(2, 2, 0.016)],
+             "x": [rec(1, 1, 0.0088, 0.001, 0.0005), rec(1, 2, 0.0088, 0.0, 0.0005),
+                   rec(2, 1, 0.0176, 0.002, 0.001), rec(2, 2, 0.0176, 0.0, 0.001)]}
+    rows = bench.summarize(bench.turn_ratios(turns, skip=1))
+    x = {r["variant"]: r for r in rows}["x"]
+    assert x["fwd_bwd_x"] == pytest.approx(1.1) and x["fwd_bwd_x_range"] == \
+        pytest.approx((1.1, 1.1))
+    assert x["avg_ms"] == pytest.approx((0.5 + 1.0) / 2)        # mean over each block's steps
+    assert x["other_cpu_ms"] == pytest.approx((0.5 + 1.0) / 2)
+    lines = "\n".join(bench.breakdown([rows]))
+    assert "| `none` | 12.0 | 1 | 2.00 | 0.00 | 0.00 |" in lines
+    assert "| `x` | 13.2 | 1.100 (1.100–1.100) | 2.00 | 0.75 | 0.75 |" in lines
+    # a run saved before the parts were kept: no breakdown, the first table as before
+    old = bench.summarize(bench.turn_ratios({"none": [_rec(1, 1, 0.01)],
+                                             "x": [_rec(1, 1, 0.011)]}, skip=1))
+    assert bench.breakdown([old]) == [] and bench.table([old])
+
+
 def test_a_variant_without_local_steps_has_no_turns_within_the_local_step_target(bench):
     # every step of "x" sends (a round launched at every step): no local step to time
     turns = {"none": [_rec(1, 1, 0.010), _rec(2, 1, 0.010)],
@@ -167,6 +192,7 @@ def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
     assert bench.SECTION not in text
     assert "| `int4_streaming` | 2 |" in text and "Between the runs" in text
     assert "Each variant's own flags: `int4_streaming` `--fragments 2`." in text
+    assert "Where the mean step goes" in text and "other threads' CPU" in text
     # --replot rebuilds the same section from the JSON alone
     md.write_text("# Benchmark results\n")
     assert bench.main(["--profiles", "loopback", "--seeds", "0", "--skip", "1", "--variants",
