@@ -163,6 +163,29 @@ def table(runs: list[list[dict]], none: str = "none") -> list[str]:
     return lines
 
 
+def overall_comm(runs: list[dict[str, list[dict]]], none: str = "none") -> str:
+    """The comm wait over every timed step of each run (each turn weighted by its time),
+    per variant: the share a whole run would report, bursts of late rounds included,
+    where the table gives the median turn.
+
+    >>> turn = lambda ms, comm: dict(mean_ms=ms, comm=comm)
+    >>> overall_comm([{"none": [], "x": [turn(10, 0.01), turn(30, 0.05)]}]).split(": ")[-1]
+    '`x` 4.0%.'
+    """
+    cells = []
+    for name in runs[0]:
+        if name == none:
+            continue
+        shares = []
+        for turns in runs:
+            total = sum(t["mean_ms"] for t in turns[name])
+            shares.append(sum(t["comm"] * t["mean_ms"] for t in turns[name]) / total
+                          if total else 0.0)
+        cells.append(f"`{name}` " + " / ".join(f"{x:.1%}" for x in shares))
+    return ("Comm wait over every timed step (the turns weighted by their time; the table "
+            "gives the median turn): " + "; ".join(cells) + ".")
+
+
 def breakdown(runs: list[list[dict]], none: str = "none") -> list[str]:
     """The parts of each run's mean step as markdown, variant by variant (medians over
     the turns); no lines for runs made before the parts were kept."""
@@ -335,6 +358,7 @@ def _part(profile: str, seed: int, runs: list[dict], none: str, skip: int,
     parts = breakdown(rows, none)
     if parts:
         out += ["Where the mean step goes (medians over the turns):", "", *parts, ""]
+    out += [overall_comm([r["turns"] for r in runs], none), ""]
     if len(runs) > 1:
         moved = between_runs(rows, none)
         out += [f"Between the runs, a variant's median moved by at most "

@@ -193,6 +193,7 @@ def test_bench_writes_its_section_and_the_turns(bench, tmp_path):
     assert "| `int4_streaming` | 2 |" in text and "Between the runs" in text
     assert "Each variant's own flags: `int4_streaming` `--fragments 2`." in text
     assert "Where the mean step goes" in text and "other threads' CPU" in text
+    assert "Comm wait over every timed step" in text
     # --replot rebuilds the same section from the JSON alone
     md.write_text("# Benchmark results\n")
     assert bench.main(["--profiles", "loopback", "--seeds", "0", "--skip", "1", "--variants",
