@@ -17,10 +17,10 @@ turns with their min-max:
 
 A second table splits the mean step (every step of the block) into its parts, each the
 median over the turns: forward and backward (and its ratio to ``none``'s in the same
-turn), the optimizer, the averaging call, and the CPU time the process's other threads
-(the rounds' background coding, gloo's threads) used during the step. On shared cores
-that CPU time comes out of the training threads: it is what slows a local step beside a
-round in flight.
+turn), the training thread's own CPU time in them, the optimizer, the averaging call, and
+the CPU time the process's other threads (the rounds' background coding, gloo's threads)
+used during the step. On shared cores that CPU time comes out of the training threads:
+the forward and backward's time less its CPU time is the time it waited for a core.
 
 The first ``--skip`` steps of each block are left out (a round of the variant before
 may still be finishing), and the first turn warms up. ``--runs`` measures every profile
@@ -65,7 +65,7 @@ STEPS_FROM = ("100mbit=results/slow_link_best_seed{seed},"
               "25mbit=results/slow_link_25mbit_seed{seed}")
 METRICS = ("local_x", "step_x", "comm")
 #: the step's parts in the breakdown, in ms (``harness/local_step.py``'s PARTS)
-PART_KEYS = ("fwd_bwd_ms", "opt_ms", "avg_ms", "other_cpu_ms")
+PART_KEYS = ("fwd_bwd_ms", "fwd_bwd_cpu_ms", "opt_ms", "avg_ms", "other_cpu_ms")
 
 
 def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2) -> dict:
@@ -192,9 +192,11 @@ def breakdown(runs: list[list[dict]], none: str = "none") -> list[str]:
     if any(r.get("fwd_bwd_ms") is None for rows in runs for r in rows):
         return []
     many = len(runs) > 1
+    cpu = all(r.get("fwd_bwd_cpu_ms") is not None for rows in runs for r in rows)
     lines = ["| variant | " + ("run | " if many else "") + "forward and backward, ms | "
-             "x `none` | optimizer, ms | averaging call, ms | other threads' CPU, ms a step |",
-             "|---" * (6 + many) + "|"]
+             "x `none` | " + ("its CPU time, ms | " if cpu else "") + "optimizer, ms | "
+             "averaging call, ms | other threads' CPU, ms a step |",
+             "|---" * (6 + cpu + many) + "|"]
     for i, name in enumerate(r["variant"] for r in runs[0]):
         for k, rows in enumerate(runs):
             r = rows[i]
@@ -202,7 +204,8 @@ def breakdown(runs: list[list[dict]], none: str = "none") -> list[str]:
             lines.append("| " + " | ".join([
                 f"`{name}`", *([str(k + 1)] if many else []), f"{r['fwd_bwd_ms']:.1f}",
                 f"{r['fwd_bwd_x']:.3f} ({lo:.3f}–{hi:.3f})" if name != none else "1",
-                f"{r['opt_ms']:.2f}", f"{r['avg_ms']:.2f}", f"{r['other_cpu_ms']:.2f}"]) + " |")
+                *([f"{r['fwd_bwd_cpu_ms']:.1f}"] if cpu else []), f"{r['opt_ms']:.2f}",
+                f"{r['avg_ms']:.2f}", f"{r['other_cpu_ms']:.2f}"]) + " |")
     return lines
 
 

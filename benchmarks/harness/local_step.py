@@ -20,7 +20,8 @@ Each step is timed as ``train.py`` times it (``train.train_step``, the batch inc
 rank 0 writes ``<out>/metrics.json``: ``config`` and, per variant, one record per step
 (``block``, ``pos`` in the block, ``step_s``, ``bytes``, ``background_bytes``,
 ``averaged``, ``comm_s``, ``loss``, and the parts of :data:`PARTS`: forward and backward,
-optimizer, averaging call, and the CPU time the process's other threads used meanwhile).
+the training thread's CPU time in them, optimizer, averaging call, and the CPU time the
+process's other threads used meanwhile).
 ``bytes`` counts every thread of the process, so a step's ``background_bytes`` can be the
 round of the variant before it, still in flight; ``bytes - background_bytes`` is what the
 step's own training thread sent.
@@ -50,7 +51,7 @@ else:  # run as a script: this folder is sys.path[0]
 
 BLOCK_STEPS = 16
 #: the parts of each step's time that ``train.train_step`` measures, kept per step
-PARTS = ("fwd_bwd_s", "opt_s", "avg_s", "other_cpu_s")
+PARTS = ("fwd_bwd_s", "fwd_bwd_cpu_s", "opt_s", "avg_s", "other_cpu_s")
 
 
 def refused(name: str) -> str | None:

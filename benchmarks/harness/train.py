@@ -816,9 +816,11 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     gradient sync, whether it averaged, seconds of the averaging call, the step's parts).
 
     The parts (seconds): ``fwd_bwd_s`` (forward and backward, DDP's gradient sync
-    included), ``opt_s`` (the optimizer and LR scheduler), ``avg_s`` (the averaging call),
-    ``round_wait_s`` (the part of ``avg_s`` that waited for rounds' results,
-    ``AveragingStats.wait_seconds``; only for variants of ours, which have a handle), and
+    included), ``fwd_bwd_cpu_s`` (the training thread's own CPU time in them: less than
+    ``fwd_bwd_s`` by the time other threads held its core, or it waited), ``opt_s`` (the
+    optimizer and LR scheduler), ``avg_s`` (the averaging call), ``round_wait_s`` (the
+    part of ``avg_s`` that waited for rounds' results, ``AveragingStats.wait_seconds``;
+    only for variants of ours, which have a handle), and
     ``other_cpu_s``, the CPU time the process's other threads used meanwhile (gloo's and
     the rounds' background work, on the same shared cores); and ``grad_hook_calls``, the
     buckets DDP's reducer handed to the comm hook in the backward (0 where it is off).
@@ -828,7 +830,7 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     opt.zero_grad(set_to_none=True)
     loss = F.cross_entropy(variant.model(x).flatten(0, 1), y.flatten())
     loss.backward()
-    t_bwd = time.perf_counter()
+    t_bwd, own_bwd = time.perf_counter(), time.thread_time()
     hook_calls = len(meter.calls)
     grad_wait = meter.take_grad_wait()
     opt.step()
@@ -841,7 +843,8 @@ def train_step(variant: Variant, opt, sched, meter: CommMeter, slow, batch, t0: 
     averaged = bool(variant.after_step())
     avg_s = time.perf_counter() - ta  # every step: deferred phases and late write-backs too
     other_cpu = (time.process_time() - cpu0) - (time.thread_time() - own0)
-    parts = dict(fwd_bwd_s=round(t_bwd - t0, 6), opt_s=round(t_opt - t_bwd, 6),
+    parts = dict(fwd_bwd_s=round(t_bwd - t0, 6), fwd_bwd_cpu_s=round(own_bwd - own0, 6),
+                 opt_s=round(t_opt - t_bwd, 6),
                  avg_s=round(avg_s, 6), other_cpu_s=round(max(other_cpu, 0.0), 6),
                  grad_hook_calls=hook_calls)
     if handles:

@@ -139,12 +139,14 @@ def test_ratios_are_taken_within_a_turn_and_leave_out_the_warmup(bench):
 def test_the_mean_step_is_split_into_its_parts_within_a_turn(bench):
     # turn 1: none's forward and backward 8 ms a step, x's 8.8 (its round's background
     # work beside it, 0.5 ms of other threads' CPU a step); turn 2 the host twice as slow
-    def rec(block, pos, fwd, avg=0.0, other=0.0):
+    # (its own CPU time in them 7.6 and 8.0 ms: the rest it waited for a core)
+    def rec(block, pos, fwd, cpu, avg=0.0, other=0.0):
         return dict(_rec(block, pos, fwd + 0.002 + avg, comm_s=avg), fwd_bwd_s=fwd,
-                    opt_s=0.002, avg_s=avg, other_cpu_s=other)
-    turns = {"none": [rec(1, 1, 0.008), rec(1, 2, 0.008), rec(2, 1, 0.016), rec(2, 2, 0.016)],
-             "x": [rec(1, 1, 0.0088, 0.001, 0.0005), rec(1, 2, 0.0088, 0.0, 0.0005),
-                   rec(2, 1, 0.0176, 0.002, 0.001), rec(2, 2, 0.0176, 0.0, 0.001)]}
+                    fwd_bwd_cpu_s=cpu, opt_s=0.002, avg_s=avg, other_cpu_s=other)
+    turns = {"none": [rec(1, 1, 0.008, 0.0076), rec(1, 2, 0.008, 0.0076),
+                      rec(2, 1, 0.016, 0.0152), rec(2, 2, 0.016, 0.0152)],
+             "x": [rec(1, 1, 0.0088, 0.008, 0.001, 0.0005), rec(1, 2, 0.0088, 0.008, 0.0, 0.0005),
+                   rec(2, 1, 0.0176, 0.016, 0.002, 0.001), rec(2, 2, 0.0176, 0.016, 0.0, 0.001)]}
     rows = bench.summarize(bench.turn_ratios(turns, skip=1))
     x = {r["variant"]: r for r in rows}["x"]
     assert x["fwd_bwd_x"] == pytest.approx(1.1) and x["fwd_bwd_x_range"] == \
@@ -152,7 +154,14 @@ def test_the_mean_step_is_split_into_its_parts_within_a_turn(bench):
     assert x["avg_ms"] == pytest.approx((0.5 + 1.0) / 2)        # mean over each block's steps
     assert x["other_cpu_ms"] == pytest.approx((0.5 + 1.0) / 2)
     lines = "\n".join(bench.breakdown([rows]))
-    assert "| `none` | 12.0 | 1 | 2.00 | 0.00 | 0.00 |" in lines
+    assert "| `none` | 12.0 | 1 | 11.4 | 2.00 | 0.00 | 0.00 |" in lines
+    assert "| `x` | 13.2 | 1.100 (1.100–1.100) | 12.0 | 2.00 | 0.75 | 0.75 |" in lines
+    # a run saved before the CPU time was kept: the other parts, without that column
+    for recs in turns.values():
+        for r in recs:
+            del r["fwd_bwd_cpu_s"]
+    lines = "\n".join(bench.breakdown([bench.summarize(bench.turn_ratios(turns, skip=1))]))
+    assert "its CPU time" not in lines
     assert "| `x` | 13.2 | 1.100 (1.100–1.100) | 2.00 | 0.75 | 0.75 |" in lines
     # a run saved before the parts were kept: no breakdown, the first table as before
     old = bench.summarize(bench.turn_ratios({"none": [_rec(1, 1, 0.01)],
