@@ -208,6 +208,14 @@ bench: ext
 	    --out benchmarks/results/reducer_switch_loopback_seed$$seed \
 	    --title "The local step with DDP's gradient reducer off after the warm-up, and kept on, loopback, seed $$seed" || exit 1; \
 	done
+	for seed in 0 1; do \
+	  $(PY) benchmarks/bench_train.py --profiles 100mbit --repeats 3 --seed $$seed \
+	    --variants ddp,none,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
+	    --variant-args "int2_streaming_interleaved_next_step=--period 4" \
+	    --variant-args "int2_streaming_interleaved=--period 4 --overlap-steps 2" \
+	    --out benchmarks/results/ideas_2bit_two_steps_seed$$seed \
+	    --title "Comm wait: 2-bit rounds at period 4 in 4 fragments applied two steps after their launch (overlap_steps=2) against the next step, 100 Mbit/s, seed $$seed" || exit 1; \
+	done
 	$(PY) benchmarks/bench_local_step.py
 	$(PY) benchmarks/bench_local_step.py \
 	  --variants none,int4_streaming_interleaved,int4_streaming_interleaved_next_step,int2_streaming_interleaved_next_step,int2_streaming_interleaved \
