@@ -64,8 +64,9 @@ TARGET = 1.05  # local step over none's
 STEPS_FROM = ("100mbit=results/slow_link_best_seed{seed},"
               "25mbit=results/slow_link_25mbit_seed{seed}")
 METRICS = ("local_x", "step_x", "comm")
-#: the step's parts in the breakdown, in ms (``harness/local_step.py``'s PARTS)
-PART_KEYS = ("fwd_bwd_ms", "fwd_bwd_cpu_ms", "opt_ms", "avg_ms", "other_cpu_ms")
+#: the step's parts in the breakdown, in ms: ``harness/local_step.py``'s PARTS renamed
+#: (``fwd_bwd_s`` -> ``fwd_bwd_ms``, ...)
+PART_KEYS = tuple(part.removesuffix("_s") + "_ms" for part in local_step.PARTS)
 
 
 def turn_ratios(turns: dict[str, list[dict]], none: str = "none", skip: int = 2) -> dict:
@@ -114,7 +115,7 @@ def _block(recs: list[dict]) -> dict:
     total = sum(r["step_s"] for r in recs)
     parts = {key: (sum(r[part] for r in recs) / len(recs) * 1e3
                    if all(part in r for r in recs) else None)  # runs made before the parts
-             for key, part in zip(PART_KEYS, local_step.PARTS)}
+             for key, part in zip(PART_KEYS, local_step.PARTS, strict=True)}
     return dict(local_s=statistics.median(local) if local else None, mean_s=total / len(recs),
                 comm=sum(r["comm_s"] for r in recs) / total, **parts)
 
