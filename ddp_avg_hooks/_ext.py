@@ -20,9 +20,13 @@ never when the package is imported. In order:
    activated and a not-activated environment would rebuild each other's extension.
    ``make ext`` fills it once;
    later processes only load it (ninja finds nothing to do, ~0.1 s). When several
-   processes (DDP ranks) load at once, torch's ``FileBaton`` lock file in the build
-   folder lets one build while the others wait. A build killed midway can leave that
-   ``lock`` file behind; delete it if a load hangs.
+   processes (DDP ranks) load at once, one builds while the others wait for it, under
+   an ``flock`` on ``ddp_avg_hooks.flock`` in the build folder: the kernel drops that
+   lock when its holder dies, so a build killed midway (Ctrl-C, a SIGKILLed rank)
+   never leaves the next job waiting. Whoever holds it also removes the ``lock`` file
+   torch's own ``FileBaton`` may have left behind after such a kill (torch waits on that
+   file forever). A process that waits over ``DDP_AVG_HOOKS_BUILD_TIMEOUT`` seconds
+   (600 by default) for another's build gives up, with the warning below.
 
 Any failure is reported once with ``warnings.warn`` (the reason included) and gives
 ``None``, so ``ops`` falls back to the pure-PyTorch ops.
@@ -39,6 +43,7 @@ import platform
 import shutil
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +52,8 @@ from types import ModuleType
 import torch
 
 ENV_DISABLE = "DDP_AVG_HOOKS_DISABLE_EXT"
+ENV_BUILD_TIMEOUT = "DDP_AVG_HOOKS_BUILD_TIMEOUT"
+BUILD_LOCK = "ddp_avg_hooks.flock"
 _NAME = "ddp_avg_hooks_C"
 _PREBUILT = "ddp_avg_hooks._C"  # a module a packaged build may ship
 _CPP_SOURCES = ("ops.cpp", "kernels_cpu.cpp", "feedback_cpu.cpp", "quantize_cpu.cpp")
@@ -138,6 +145,43 @@ def _announce_build(build_dir: Path) -> None:
     sys.stderr.flush()
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the build folder's lock: one process builds or loads there at a time.
+
+    An ``flock`` on ``build_dir / BUILD_LOCK``, which the kernel releases when its holder
+    exits, however it exits. Under it, torch's ``FileBaton`` file ``build_dir / "lock"``
+    can only be one that a killed build left behind, and it is removed. Raises
+    ``TimeoutError`` (naming the folder) if another process holds the lock for more
+    than ``timeout_s`` seconds (``$DDP_AVG_HOOKS_BUILD_TIMEOUT``, else 600).
+    """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get(ENV_BUILD_TIMEOUT) or 600)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's FileBaton alone
+        yield
+        return
+    fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"another process has held the build lock {build_dir / BUILD_LOCK} "
+                        f"for over {timeout_s:g} s (a build still running, or a stopped "
+                        f"process); raise {ENV_BUILD_TIMEOUT} or end that process") from None
+                time.sleep(0.05)
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 def _jit_build(verbose: bool = False) -> ModuleType:
     from torch.utils import cpp_extension
 
@@ -154,7 +198,7 @@ def _jit_build(verbose: bool = False) -> ModuleType:
     build_dir = build_directory(with_cuda)
     build_dir.mkdir(parents=True, exist_ok=True)
     _announce_build(build_dir)
-    with _ninja_first_on_path():
+    with build_lock(build_dir), _ninja_first_on_path():
         return cpp_extension.load(
             name=_NAME + ("_cuda" if with_cuda else ""),
             sources=sources,

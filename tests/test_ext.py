@@ -119,3 +119,55 @@ def test_a_process_finding_another_ninja_first_loads_the_build_without_running_i
     assert not (tmp_path / "ran").exists()
     if built_at is not None:  # found up to date: loaded, not rebuilt
         assert library.stat().st_mtime_ns == built_at
+
+
+def _copy_of_the_build(tmp_path) -> tuple[Path, dict]:
+    """The build folder copied under a fresh ``TORCH_EXTENSIONS_DIR`` (ninja finds it up
+    to date there: loading it takes a fraction of a second), and an environment using it."""
+    built = _ext.build_directory(with_cuda=False)
+    root = tmp_path / "extensions"
+    copy = root / built.parent.name / built.name
+    if built.is_dir():
+        shutil.copytree(built, copy, ignore=shutil.ignore_patterns("lock", _ext.BUILD_LOCK))
+    else:
+        copy.mkdir(parents=True)  # nothing built yet: the load below builds it
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)}
+    env.pop(_ext.ENV_DISABLE, None)
+    return copy, env
+
+
+def _backend_in_a_new_process(env: dict) -> subprocess.CompletedProcess:
+    code = "from ddp_avg_hooks import ops; print(ops.backend())"
+    return subprocess.run([sys.executable, "-W", "always", "-c", code], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_lock_file_a_killed_build_left_behind_does_not_hold_up_the_next_load(tmp_path):
+    """torch's FileBaton waits forever on a ``lock`` file whose build was killed."""
+    folder, env = _copy_of_the_build(tmp_path)
+    (folder / "lock").write_text("")  # what a build killed midway leaves
+    r = _backend_in_a_new_process(env)
+    assert r.returncode == 0 and r.stdout.split() == ["extension"], r.stderr[-3000:]
+    assert not (folder / "lock").exists()
+
+
+def test_the_build_lock_is_released_when_its_holder_is_killed(tmp_path):
+    folder = tmp_path / "build"
+    folder.mkdir()
+    code = ("import os, signal, sys; from pathlib import Path; from ddp_avg_hooks import _ext\n"
+            "with _ext.build_lock(Path(sys.argv[1])):\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(folder)], timeout=120)
+    assert r.returncode == -9 and (folder / _ext.BUILD_LOCK).exists()
+    with _ext.build_lock(folder, timeout_s=5):  # at once: the kernel dropped the lock
+        pass
+
+
+def test_a_load_that_waits_too_long_for_another_build_falls_back_saying_why(tmp_path):
+    folder, env = _copy_of_the_build(tmp_path)
+    env[_ext.ENV_BUILD_TIMEOUT] = "1"
+    with _ext.build_lock(folder):  # another process's build, still running
+        r = _backend_in_a_new_process(env)
+    assert r.returncode == 0 and r.stdout.split() == ["fallback"], r.stderr[-3000:]
+    assert f"build lock {folder / _ext.BUILD_LOCK}" in r.stderr, r.stderr
+    assert _ext.ENV_BUILD_TIMEOUT in r.stderr and "pure-PyTorch fallback" in r.stderr
