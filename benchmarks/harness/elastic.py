@@ -34,7 +34,8 @@ import time
 import uuid
 from pathlib import Path
 
-from .launch import LaunchError, _tail, two_node_commands
+from .launch import (LaunchError, kill_tree, log_tail, parent_pids, stop_signals_raise,
+                     two_node_commands)
 from .netns import NetnsPair
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "elastic.py")
@@ -118,44 +119,46 @@ def run_scenario(run_dir: str, kills: list[Kill] = (), *, pair: NetnsPair | None
     done_kills = []
     t0 = time.time()
     deadline = time.monotonic() + timeout_s
-    try:
-        for i in range(len(jobs)):
-            start(i)
-        pending = list(kills)
-        while True:
-            if pending and (run / pending[0].marker).exists():
-                k = pending.pop(0)
-                paused = json.loads((run / k.marker).read_text())
-                if k.kind == "save":  # kill once the other ranks have finished that save
-                    _wait_for_peers_markers(run, k, deadline)
-                completed = _markers(run)
-                t_kill = time.time()
-                if k.target == "node":
-                    node = _node_of(paused["pid"], procs)
-                    _kill_node(procs[node])
-                    start(node)  # the replacement node
-                else:
-                    os.kill(paused["pid"], signal.SIGKILL)
-                done_kills.append(dict(dataclasses.asdict(k), t_kill=t_kill,
-                                       steps_done=paused["steps_done"], completed=completed))
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                break
-            if any(c not in (None, 0) for c in codes):
-                raise LaunchError(f"torchrun exited with {codes}\n" + _logs_tail(run, len(jobs)))
-            if time.monotonic() > deadline:
-                raise LaunchError(f"not finished in {timeout_s:.0f} s\n"
+    with stop_signals_raise():
+        try:
+            for i in range(len(jobs)):
+                start(i)
+            pending = list(kills)
+            while True:
+                if pending and (run / pending[0].marker).exists():
+                    k = pending.pop(0)
+                    paused = json.loads((run / k.marker).read_text())
+                    if k.kind == "save":  # kill once the other ranks have finished that save
+                        _wait_for_peers_markers(run, k, deadline)
+                    completed = _markers(run)
+                    t_kill = time.time()
+                    if k.target == "node":
+                        node = _node_of(paused["pid"], procs)
+                        kill_tree(procs[node])
+                        start(node)  # the replacement node
+                    else:
+                        os.kill(paused["pid"], signal.SIGKILL)
+                    done_kills.append(dict(dataclasses.asdict(k), t_kill=t_kill,
+                                           steps_done=paused["steps_done"], completed=completed))
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes):
+                    break
+                if any(c not in (None, 0) for c in codes):
+                    raise LaunchError(f"torchrun exited with {codes}\n"
+                                      + _logs_tail(run, len(jobs)))
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"not finished in {timeout_s:.0f} s\n"
+                                      + _logs_tail(run, len(jobs)))
+                time.sleep(0.02)
+            if any(codes) or pending:
+                raise LaunchError(f"exit codes {codes}; kills not reached: {pending}\n"
                                   + _logs_tail(run, len(jobs)))
-            time.sleep(0.02)
-        if any(codes) or pending:
-            raise LaunchError(f"exit codes {codes}; kills not reached: {pending}\n"
-                              + _logs_tail(run, len(jobs)))
-    finally:
-        for p in procs:
-            if p is not None and p.poll() is None:
-                _kill_node(p)
-        for f in logs:
-            f.close()
+        finally:
+            for p in procs:
+                if p is not None and p.poll() is None:
+                    kill_tree(p)
+            for f in logs:
+                f.close()
     wall = time.time() - t0
     events, final = read_events(run), _final(run)
     return dict(wall_s=wall, kills=[_measure(k, events) for k in done_kills],
@@ -198,23 +201,9 @@ def _wait_for_peers_markers(run: Path, kill: Kill, deadline: float) -> None:
         time.sleep(0.02)
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every process (from ``/proc``)."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                # "pid (comm) state ppid ...": comm may hold spaces
-                with open(f"/proc/{d}/stat") as f:
-                    out[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
 def _node_of(pid: int, procs: list) -> int:
     """The node whose torchrun started worker ``pid``."""
-    parents, roots = _parents(), {p.pid: i for i, p in enumerate(procs)}
+    parents, roots = parent_pids(), {p.pid: i for i, p in enumerate(procs)}
     while pid in parents and pid not in roots:
         pid = parents[pid]
     if pid not in roots:
@@ -222,25 +211,8 @@ def _node_of(pid: int, procs: list) -> int:
     return roots[pid]
 
 
-def _kill_node(proc: subprocess.Popen) -> None:
-    """``SIGKILL`` a torchrun and every process under it (its workers run in sessions of
-    their own, so killing its process group is not enough)."""
-    parents = _parents()
-    tree, grew = {proc.pid}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=10)
-
-
 def _logs_tail(run: Path, n: int) -> str:
-    return "".join(f"--- node {i} ---\n" + _tail(str(run / f"torchrun_node{i}.log"), 40)
+    return "".join(f"--- node {i} ---\n" + log_tail(str(run / f"torchrun_node{i}.log"), 40)
                    for i in range(n))
 
 

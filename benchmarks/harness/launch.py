@@ -14,11 +14,15 @@
         --rdzv-conf is_host=1 .../train.py ...     --rdzv-conf is_host=0 .../train.py ...
 
 Every launch has a deadline; on failure or timeout the whole process tree of each
-torchrun is killed (each runs in its own session) before the error is raised.
+torchrun is killed (each runs in its own session) before the error is raised. So it is
+when the launching process is stopped by SIGTERM or SIGHUP (``kill``, ``timeout``, a
+closed terminal) while a job runs (:func:`stop_signals_raise`): no rank outlives it to
+take the cores from the next job.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -45,7 +49,7 @@ class LaunchError(RuntimeError):
     @classmethod
     def failed(cls, codes: list, log: str) -> LaunchError:
         """The ranks' (or nodes') exit codes, with the end of the log."""
-        return cls(f"training failed with exit codes {codes}; log: {log}\n" + _tail(log))
+        return cls(f"training failed with exit codes {codes}; log: {log}\n" + log_tail(log))
 
 
 def _env(extra: dict | None = None) -> dict:
@@ -89,15 +93,65 @@ def shell_line(argv: list[str], env: dict | None = None) -> str:
     return (pre + " " if pre else "") + " ".join(shlex.quote(a) for a in argv)
 
 
-def _kill_tree(p: subprocess.Popen) -> None:
+@contextlib.contextmanager
+def stop_signals_raise():
+    """While inside, SIGTERM and SIGHUP raise ``SystemExit(128 + signal)`` in the main
+    thread, so the ``finally`` blocks that kill a job's process trees run (by default
+    those signals end Python at once). Elsewhere than the main thread: does nothing.
+
+    >>> with stop_signals_raise():
+    ...     os.kill(os.getpid(), signal.SIGTERM)
+    ...     time.sleep(5)
+    Traceback (most recent call last):
+    SystemExit: 143
+    """
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        os.killpg(p.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process (from ``/proc``)."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                # "pid (comm) state ppid ...": comm may hold spaces
+                with open(f"/proc/{d}/stat") as f:
+                    out[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """``SIGKILL`` a torchrun, its process group and every process under it (its workers
+    run in sessions of their own, so killing its process group is not enough), then reap it."""
+    parents = parent_pids()
+    tree, grew = {proc.pid}, True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
 
 
 def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = None,
@@ -120,7 +174,7 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
         jobs = two_node_commands(pair, args, rdzv_id, nproc_per_node=nproc // 2, script=script)
     procs = []
     t0 = time.perf_counter()
-    with open(log, "w") as logf:
+    with open(log, "w") as logf, stop_signals_raise():
         for argv, extra in jobs:
             logf.write("$ " + shell_line(argv, extra) + "\n")
         logf.flush()
@@ -143,7 +197,7 @@ def run_training(train_args: list[str], out: str, *, pair: NetnsPair | None = No
         finally:
             for p in procs:
                 if p.poll() is None:
-                    _kill_tree(p)
+                    kill_tree(p)
     return record_launch(out, [shell_line(a, e) for a, e in jobs], time.perf_counter() - t0,
                          pair.describe() if pair else LOOPBACK)
 
@@ -169,7 +223,7 @@ def record_launch(out: str, commands: list[str], wall_s: float, network: str) ->
     return result
 
 
-def _tail(path: str, n: int = 30) -> str:
+def log_tail(path: str, n: int = 30) -> str:
     try:
         with open(path, errors="replace") as f:
             lines = f.readlines()
