@@ -29,6 +29,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -105,8 +106,6 @@ def stop_signals_raise():
     Traceback (most recent call last):
     SystemExit: 143
     """
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -138,13 +137,18 @@ def parent_pids() -> dict[int, int]:
 
 def kill_tree(proc: subprocess.Popen) -> None:
     """``SIGKILL`` a torchrun, its process group and every process under it (its workers
-    run in sessions of their own, so killing its process group is not enough), then reap it."""
-    parents = parent_pids()
-    tree, grew = {proc.pid}, True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
+    run in sessions of their own, so killing its process group is not enough), then reap it.
+
+    Each process found is stopped (``SIGSTOP``) before its children are looked for, so
+    none starts another (torchrun restarting a worker, a rank forking) that the kill
+    would miss."""
+    tree, found = set(), {proc.pid}
+    while found:
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        tree |= found
+        found = {p for p, pp in parent_pids().items() if pp in tree} - tree
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     for pid in tree:
