@@ -128,7 +128,9 @@ class AveragingHandle(Joinable):
     while the round was in flight, ``alpha=1`` ignores the round). Time-based rounds
     keep one round in flight at a time, and the next one's clock starts when it
     completes (see ``schedules.EverySeconds``). ``average()``, ``state_dict()`` and
-    ``remove()`` finish the rounds in flight first.
+    ``remove()`` finish the rounds in flight first; a program that ends without
+    ``remove()`` waits at exit (up to ``rounds.EXIT_WAIT_SECONDS``) for them to
+    complete, applying nothing (:func:`~ddp_avg_hooks.rounds.settle_in_flight`).
 
     Uneven inputs: train inside ``torch.distributed.algorithms.join.Join([ddp, handle])``
     (the DDP model first), as with DDP alone. A rank whose inputs run out keeps taking

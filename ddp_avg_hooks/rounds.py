@@ -51,8 +51,10 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -70,7 +72,8 @@ from .policies import RoundPolicy, check_buckets_agree
 from .protocol import hook_name
 from .weights import RoundWeights, WeightExchange
 
-__all__ = ["AveragingHookError", "AveragingStats", "Round", "RoundEngine", "run_round"]
+__all__ = ["EXIT_WAIT_SECONDS", "AveragingHookError", "AveragingStats", "Round", "RoundEngine",
+           "run_round", "settle_in_flight"]
 
 
 def _profiler_range(name: str):
@@ -286,8 +289,11 @@ class RoundEngine:
             self._run_deferred(deferred, where)
             for fn in background:  # in bucket order: the same on every rank
                 self.background.submit(fn)
-        return Round(where, list(buckets), records, futures, changes, extras, extra_futures,
-                     started, overlapped, fragment=fragment, weights=exchange)
+        rnd = Round(where, list(buckets), records, futures, changes, extras, extra_futures,
+                    started, overlapped, fragment=fragment, weights=exchange)
+        if overlapped:
+            _track(rnd, self)
+        return rnd
 
     def _call_hook(self, bucket: ParamBucket, where: str):
         try:
@@ -325,6 +331,7 @@ class RoundEngine:
         ``handle`` is what the observers' reports receive (``on_round``'s argument);
         raises :class:`AveragingHookError`, with nothing written, if the round failed.
         """
+        _IN_FLIGHT.pop(rnd, None)
         try:
             factor = 1.0 if rnd.weights is None else self.weights.correction(rnd.weights, rnd.where)
             self._collect(rnd)
@@ -416,6 +423,62 @@ class RoundEngine:
             raise self.error(bucket, where,
                              "result has nan or inf (check_finite=True); nothing written")
         return value
+
+
+#: the longest an exiting interpreter waits for the overlapped rounds still in flight
+EXIT_WAIT_SECONDS = 10.0
+# every overlapped round launched and not finished, with its engine, whether or not its
+# handle is still referenced (a training function that returned dropped it): the
+# interpreter's exit waits for them (those seen settled are dropped at the next launch)
+_IN_FLIGHT: dict[Round, RoundEngine] = {}
+
+
+def _settled(rnd: Round, engine: RoundEngine) -> bool:
+    return rnd.done() and engine.background.drain(0)
+
+
+def _track(rnd: Round, engine: RoundEngine) -> None:
+    for old, its_engine in list(_IN_FLIGHT.items()):
+        if _settled(old, its_engine):
+            _IN_FLIGHT.pop(old, None)
+    _IN_FLIGHT[rnd] = engine
+
+
+def settle_in_flight(deadline: float) -> int:
+    """Wait until every overlapped round in flight in this process has completed and
+    its engine's background thread has run every call handed to it, or until
+    ``deadline`` (a ``time.monotonic()`` value); collects and applies nothing. Returns
+    how many rounds had not settled by then.
+
+    The interpreter's exit runs it, for up to :data:`EXIT_WAIT_SECONDS`: a thread still
+    inside a torch call as Python finalizes (a collective the background thread issued,
+    a round's callback on gloo's thread) is ended as it takes the GIL back, and that
+    aborts the process ("terminate called without an active exception").
+
+    Example:
+        >>> import time
+        >>> settle_in_flight(time.monotonic() + 1.0)  # no round in flight
+        0
+    """
+    while True:
+        late = [r for r, e in list(_IN_FLIGHT.items()) if not _settled(r, e)]
+        left = deadline - time.monotonic()
+        if not late or left <= 0:
+            return len(late)
+        time.sleep(min(0.001, left))
+
+
+def _settle_at_exit() -> None:
+    late = settle_in_flight(time.monotonic() + EXIT_WAIT_SECONDS)
+    if late:
+        sys.stderr.write(
+            f"ddp_avg_hooks: {late} overlapped round(s) still in flight "
+            f"{EXIT_WAIT_SECONDS:g} s after the program ended (a rank that stopped early "
+            "leaves its peers' rounds unanswered); the process may abort as it exits. End "
+            "training with handle.remove() on every rank.\n")
+
+
+atexit.register(_settle_at_exit)
 
 
 def run_round(hook: Callable, state, buckets: Sequence[ParamBucket], *,
