@@ -101,6 +101,26 @@ def gather_small(tensor: torch.Tensor, group) -> list[torch.Tensor]:
     return gathered
 
 
+# the private groups of closed registrations, by (ranks, timeout), for the next ones:
+# destroying a group would free its name (made from its ranks), and a new group of that
+# name meets the old one's addresses, still in the store, as it connects
+_SPARE_GROUPS: dict[tuple, list[dist.ProcessGroup]] = {}
+
+
+def _spare_group(ranks: tuple, timeout) -> dist.ProcessGroup | None:
+    """A closed registration's private group over ``ranks`` with ``timeout``, still
+    registered with torch (not destroyed with the world since), or ``None``."""
+    spares = _SPARE_GROUPS.get((ranks, timeout), [])
+    while spares:
+        group = spares.pop()
+        try:
+            if tuple(dist.get_process_group_ranks(group)) == ranks:
+                return group
+        except (KeyError, ValueError, RuntimeError):  # destroyed with the world
+            pass
+    return None
+
+
 class Background:
     """A registration's background thread and its private process groups.
 
@@ -114,7 +134,9 @@ class Background:
     the training thread issues meanwhile (gloo and NCCL pair collectives by the order each
     rank issues them on a group).
 
-    The thread starts at the first call handed over and stops with the process (a daemon).
+    The thread starts at the first call handed over; :meth:`close` stops it (a removed
+    registration's) and passes the private groups on, else it stops with the process (a
+    daemon).
 
     Example:
         >>> done = []
@@ -125,10 +147,13 @@ class Background:
         True
         >>> done, bg.in_use
         ([1], True)
+        >>> bg.close(), bg.in_use  # True: the thread stopped
+        (True, False)
     """
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
         self._groups: dict[tuple, dist.ProcessGroup] = {}
         self._idle = threading.Event()
         self._idle.set()
@@ -149,8 +174,9 @@ class Background:
         ranks = tuple(dist.get_process_group_ranks(group))
         private = self._groups.get(ranks)
         if private is None:
-            private = self._groups[ranks] = dist.new_group(
-                list(ranks), timeout=group_timeout(group), use_local_synchronization=True,
+            timeout = group_timeout(group)
+            private = self._groups[ranks] = _spare_group(ranks, timeout) or dist.new_group(
+                list(ranks), timeout=timeout, use_local_synchronization=True,
                 group_desc="ddp_avg_hooks_background")
         return private
 
@@ -159,8 +185,9 @@ class Background:
         ``fn`` must report its own failure (complete its hook's future with the exception)."""
         if self._queue is None:
             self._queue = queue.SimpleQueue()
-            threading.Thread(target=self._run, name="ddp_avg_hooks-background",
-                             daemon=True).start()
+            self._thread = threading.Thread(target=self._run, args=(self._queue,),
+                                            name="ddp_avg_hooks-background", daemon=True)
+            self._thread.start()
         with self._lock:
             self._pending += 1
             self._idle.clear()
@@ -170,9 +197,28 @@ class Background:
         """Wait until every submitted call has run; ``False`` if ``timeout`` passed first."""
         return self._idle.wait(timeout)
 
-    def _run(self) -> None:
-        while True:
-            fn = self._queue.get()
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the thread once every call handed to it has run (waiting up to
+        ``timeout`` seconds), and hand the private groups on to the next registration
+        over the same ranks and timeout, which then makes none of its own: removed
+        registrations leave no thread behind, and no gloo group beyond the most that
+        were live at once. Every rank must close and make registrations in the same
+        order (as it registers and removes them). Returns ``False``, keeping the groups,
+        if a call was still running at the timeout (a collective of it unanswered). A
+        call handed over later starts a new thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
+            self._queue = self._thread = None
+        for ranks, group in self._groups.items():
+            _SPARE_GROUPS.setdefault((ranks, group_timeout(group)), []).append(group)
+        self._groups.clear()
+        return True
+
+    def _run(self, calls: queue.SimpleQueue) -> None:
+        while (fn := calls.get()) is not None:
             try:
                 fn()
             except Exception:  # fn reports its failure through its hook's future

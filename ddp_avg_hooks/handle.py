@@ -637,7 +637,9 @@ class AveragingHandle(Joinable):
     def remove(self) -> None:
         """Stop averaging: finish a round in flight, detach from the optimizer, turn DDP's
         gradient reducer back on (call it outside ``ddp.no_sync()``, which on leaving
-        restores the value it found), free the buckets. Idempotent. A
+        restores the value it found), free the buckets, and stop the registration's
+        background thread, if overlapped rounds started one (its private process groups
+        go to the next registration over the same ranks). Idempotent. A
         ``local_sgd_grad_hook`` given this handle then averages gradients every step, or
         follows a handle registered on the model later (:attr:`successor`)."""
         if self._removed:
@@ -653,6 +655,7 @@ class AveragingHandle(Joinable):
         finally:
             self._removed = True
             self._engine.buckets, self._engine.policies = [], []
+        self._engine.background.close()  # every round finished: the thread can stop
 
     # --- uneven inputs: torch.distributed.algorithms.join.Join -------------------------
     def join_hook(self, **kwargs) -> JoinHook:

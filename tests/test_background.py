@@ -101,3 +101,70 @@ def test_the_background_thread_runs_calls_in_order():
     bg.submit(fails)
     bg.submit(lambda: seen.append("after"))
     assert bg.drain(timeout=10) and seen[-1] == "after"
+
+
+def test_close_stops_the_thread_after_the_calls_handed_to_it():
+    bg, seen = Background(), []
+    gate = threading.Event()
+    others = set(threading.enumerate())
+    bg.submit(gate.wait)
+    bg.submit(lambda: seen.append("ran"))
+    mine = [t for t in threading.enumerate()
+            if t not in others and t.name == "ddp_avg_hooks-background"]
+    assert len(mine) == 1
+    try:
+        assert bg.close(timeout=0.2) is False  # a call still running: the thread stays
+        assert mine[0].is_alive()
+    finally:
+        gate.set()
+    assert bg.close(timeout=10) is True and seen == ["ran"]
+    assert not bg.in_use and not mine[0].is_alive()
+    bg.submit(lambda: seen.append("again"))  # a later call starts a new thread
+    assert bg.drain(timeout=10) and seen == ["ran", "again"]
+    assert bg.close(timeout=10)
+
+
+def _threads_and_fds() -> tuple[int, int]:
+    import os
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _rank_registrations(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def register():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)  # the replicas differ until a round
+        handle = dah.register_averaging_hook(DDP(model), dah.hooks.int8_compress_hook, None,
+                                             period=2, overlap=True)
+        for _ in range(5):
+            handle.step()
+        return handle, model
+
+    handle, _ = register()
+    handle.remove()
+    baseline = _threads_and_fds()  # gloo's own threads started by now
+    counts, params = [], []
+    for _ in range(3):  # each ran its rounds on a thread of its own, on the group passed on
+        handle, model = register()
+        handle.remove()  # applies the round in flight: the replicas agree
+        assert handle.stats.rounds == 3
+        counts.append(_threads_and_fds())
+        params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    names = [t.name for t in threading.enumerate()]
+    return {"baseline": baseline, "counts": counts, "names": names, "params": params}
+
+
+def test_remove_stops_the_background_thread_and_passes_its_groups_on():
+    # before, each removed registration left its thread, the private group's three
+    # gloo threads and its sockets behind: 4 threads and 4 descriptors a registration
+    results = run_ranks(_rank_registrations, 2, timeout_s=90)
+    for r in results:
+        (threads, fds), counts = r["baseline"], r["counts"]
+        assert all(t <= threads + 1 and f <= fds for t, f in counts), (r["baseline"], counts)
+        assert "ddp_avg_hooks-background" not in r["names"]
+    first, second = (r["params"] for r in results)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
