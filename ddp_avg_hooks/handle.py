@@ -639,7 +639,8 @@ class AveragingHandle(Joinable):
         gradient reducer back on (call it outside ``ddp.no_sync()``, which on leaving
         restores the value it found), free the buckets, and stop the registration's
         background thread, if overlapped rounds started one (its private process groups
-        go to the next registration over the same ranks). Idempotent. A
+        go to the next registration over the same ranks: remove and register in the same
+        order on every rank, as a program the same on every rank does). Idempotent. A
         ``local_sgd_grad_hook`` given this handle then averages gradients every step, or
         follows a handle registered on the model later (:attr:`successor`)."""
         if self._removed:
