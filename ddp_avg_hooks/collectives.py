@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from ._groups import is_member
 
-__all__ = ["Background", "allreduce_sum", "backend_device", "completed", "exact_average",
-           "gather_small", "group_timeout"]
+__all__ = ["Background", "add_tracked_callback", "allreduce_sum", "backend_device",
+           "callbacks_pending", "completed", "exact_average", "gather_small", "group_timeout"]
 
 
 def completed(value) -> torch.futures.Future:
@@ -30,6 +30,44 @@ def completed(value) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+_CALLBACKS_LOCK = threading.Lock()
+_callbacks_pending = 0
+
+
+def add_tracked_callback(fut: torch.futures.Future, fn) -> None:
+    """``fut.add_done_callback(fn)``, counted by :func:`callbacks_pending` from now until
+    ``fn`` has returned. The callback may run on a thread of torch's (gloo's), after
+    ``fut`` is seen complete; the interpreter's exit waits for these, since a thread
+    inside torch as Python finalizes aborts the process (a ``set_result`` in ``fn``
+    takes the GIL back on its way out).
+
+    Example:
+        >>> fut = torch.futures.Future()
+        >>> add_tracked_callback(fut, lambda f: None); callbacks_pending()
+        1
+        >>> fut.set_result(0); callbacks_pending()
+        0
+    """
+    global _callbacks_pending
+    with _CALLBACKS_LOCK:
+        _callbacks_pending += 1
+
+    def run(f) -> None:
+        global _callbacks_pending
+        try:
+            fn(f)
+        finally:
+            with _CALLBACKS_LOCK:
+                _callbacks_pending -= 1
+
+    fut.add_done_callback(run)
+
+
+def callbacks_pending() -> int:
+    """How many callbacks :func:`add_tracked_callback` attached have not returned yet."""
+    return _callbacks_pending
 
 
 def allreduce_sum(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> torch.futures.Future:

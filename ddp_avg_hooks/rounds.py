@@ -65,7 +65,7 @@ from torch.autograd.profiler import record_function
 from . import ops
 from ._groups import or_world
 from .bucket import BucketRound, ParamBucket
-from .collectives import Background, exact_average
+from .collectives import Background, add_tracked_callback, callbacks_pending, exact_average
 from .errors import AveragingHookError
 from .observers import Reporter, RoundObserver
 from .policies import RoundPolicy, check_buckets_agree
@@ -178,7 +178,7 @@ class Round:
 
         works = [] if self.weights is None else [self.weights.work.get_future()]
         for fut in self.futures + self.extra_futures + works:
-            fut.add_done_callback(completed)
+            add_tracked_callback(fut, completed)
 
 
 _PEER_SIGNS = ("timed out", "timeout", "connection", "reset by peer", "closed", "broken pipe",
@@ -445,8 +445,9 @@ def _track(rnd: Round, engine: RoundEngine) -> None:
 
 
 def settle_in_flight(deadline: float) -> int:
-    """Wait until every overlapped round in flight in this process has completed and
-    its engine's background thread has run every call handed to it, or until
+    """Wait until every overlapped round in flight in this process has completed, its
+    engine's background thread has run every call handed to it and the hooks' callbacks
+    on torch's threads have returned (``collectives.callbacks_pending()``), or until
     ``deadline`` (a ``time.monotonic()`` value); collects and applies nothing. Returns
     how many rounds had not settled by then.
 
@@ -463,7 +464,7 @@ def settle_in_flight(deadline: float) -> int:
     while True:
         late = [r for r, e in list(_IN_FLIGHT.items()) if not _settled(r, e)]
         left = deadline - time.monotonic()
-        if not late or left <= 0:
+        if not (late or callbacks_pending()) or left <= 0:
             return len(late)
         time.sleep(min(0.001, left))
 

@@ -113,7 +113,7 @@ from .. import ops
 from .._checks import check_int
 from .._groups import is_member
 from ..bucket import ParamBucket
-from ..collectives import completed
+from ..collectives import add_tracked_callback, completed
 from ..ops import QuantLayout
 from ..protocol import averaging_hook
 from ._delta import DeltaHookFamily, DeltaState
@@ -282,7 +282,7 @@ def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
         except Exception as exc:
             result.set_exception(exc)
 
-    _in_background(bucket, lambda: code_and_gather(private).add_done_callback(complete),
+    _in_background(bucket, lambda: add_tracked_callback(code_and_gather(private), complete),
                    result)
     return result
 
@@ -331,7 +331,7 @@ def _quantized_delta_hook(state, bucket: ParamBucket, bits: int) -> torch.future
                             residual_out=total if residual is not None else None)
         if residual is not None:  # total now holds T - R: the requantization's loss
             residual[start : start + valid].add_(total)
-        _all_gather(send, mine, gather_group).get_future().add_done_callback(decompress)
+        add_tracked_callback(_all_gather(send, mine, gather_group).get_future(), decompress)
 
     def decompress(gathered: torch.futures.Future) -> None:
         try:
