@@ -154,7 +154,7 @@ def _spare_group(ranks: tuple, timeout) -> dist.ProcessGroup | None:
         try:
             if tuple(dist.get_process_group_ranks(group)) == ranks:
                 return group
-        except (KeyError, ValueError, RuntimeError):  # destroyed with the world
+        except KeyError:  # destroyed with the world since
             pass
     return None
 
