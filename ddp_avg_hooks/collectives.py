@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -22,7 +23,8 @@ import torch.distributed as dist
 from ._groups import is_member
 
 __all__ = ["Background", "add_tracked_callback", "allreduce_sum", "backend_device",
-           "callbacks_pending", "completed", "exact_average", "gather_small", "group_timeout"]
+           "callbacks_pending", "completed", "exact_average", "gather_small", "group_timeout",
+           "tracked_then"]
 
 
 def completed(value) -> torch.futures.Future:
@@ -32,16 +34,42 @@ def completed(value) -> torch.futures.Future:
     return fut
 
 
-_CALLBACKS_LOCK = threading.Lock()
-_callbacks_pending = 0
+_TRACKED_LOCK = threading.Lock()
+# one entry per callable handed to torch: a weak reference to it, what it calls and, for
+# tracked_then(), the future it completes. They are held here, so that torch's thread,
+# dropping the callable after it ran, frees nothing else (no Python code runs there); a
+# thread of ours drops them once torch has let the callable go.
+_TRACKED: list[list] = []
+
+
+def _prune() -> list[list]:
+    """Take the entries whose callable torch has freed out of the registry (under the
+    lock); the caller drops them outside it."""
+    dead = [e for e in _TRACKED if e[0]() is None]
+    if dead:
+        _TRACKED[:] = [e for e in _TRACKED if e[0]() is not None]
+    return dead
+
+
+def _tracked(fn) -> tuple:
+    def run(f):
+        return fn(f)
+
+    entry = [weakref.ref(run), fn, None]
+    with _TRACKED_LOCK:
+        dead = _prune()
+        _TRACKED.append(entry)
+    del dead  # outside the lock: what the dropped callbacks held may run code as it goes
+    return run, entry
 
 
 def add_tracked_callback(fut: torch.futures.Future, fn) -> None:
     """``fut.add_done_callback(fn)``, counted by :func:`callbacks_pending` from now until
-    ``fn`` has returned. The callback may run on a thread of torch's (gloo's), after
-    ``fut`` is seen complete; the interpreter's exit waits for these, since a thread
-    inside torch as Python finalizes aborts the process (a ``set_result`` in ``fn``
-    takes the GIL back on its way out).
+    torch has run the callback and let it go. The callback may run on a thread of
+    torch's (gloo's), after ``fut`` is seen complete, and torch takes the GIL back there
+    once more to release it; the interpreter's exit waits for both, since a thread of
+    torch's that takes the GIL as Python finalizes aborts the process ("terminate called
+    without an active exception"). What ``fn`` holds is released on a thread of ours.
 
     Example:
         >>> fut = torch.futures.Future()
@@ -50,24 +78,35 @@ def add_tracked_callback(fut: torch.futures.Future, fn) -> None:
         >>> fut.set_result(0); callbacks_pending()
         0
     """
-    global _callbacks_pending
-    with _CALLBACKS_LOCK:
-        _callbacks_pending += 1
-
-    def run(f) -> None:
-        global _callbacks_pending
-        try:
-            fn(f)
-        finally:
-            with _CALLBACKS_LOCK:
-                _callbacks_pending -= 1
-
+    run, _ = _tracked(fn)
     fut.add_done_callback(run)
 
 
+def tracked_then(fut: torch.futures.Future, fn) -> torch.futures.Future:
+    """``fut.then(fn)``, counted by :func:`callbacks_pending` like
+    :func:`add_tracked_callback`: a future of ``fn(fut)``. Hooks chain their collectives'
+    futures with it, so that a program may end right after a round.
+
+    Example:
+        >>> fut = torch.futures.Future()
+        >>> doubled = tracked_then(fut, lambda f: f.value() * 2); callbacks_pending()
+        1
+        >>> fut.set_result(torch.ones(2)); doubled.wait().tolist(), callbacks_pending()
+        ([2.0, 2.0], 0)
+    """
+    run, entry = _tracked(fn)
+    entry[2] = child = fut.then(run)
+    return child
+
+
 def callbacks_pending() -> int:
-    """How many callbacks :func:`add_tracked_callback` attached have not returned yet."""
-    return _callbacks_pending
+    """How many callbacks :func:`add_tracked_callback` and :func:`tracked_then` attached
+    torch has not run and let go yet."""
+    with _TRACKED_LOCK:
+        dead = _prune()
+        pending = len(_TRACKED)
+    del dead
+    return pending
 
 
 def allreduce_sum(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> torch.futures.Future:
@@ -75,7 +114,7 @@ def allreduce_sum(group: dist.ProcessGroup, tensor: torch.Tensor, bucket) -> tor
     of it."""
     bucket.record_sent(tensor)
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return tracked_then(work.get_future(), lambda fut: fut.value()[0])
 
 
 def exact_average(group: dist.ProcessGroup, bucket) -> torch.futures.Future:

@@ -446,8 +446,8 @@ def _track(rnd: Round, engine: RoundEngine) -> None:
 
 def settle_in_flight(deadline: float) -> int:
     """Wait until every overlapped round in flight in this process has completed, its
-    engine's background thread has run every call handed to it and the hooks' callbacks
-    on torch's threads have returned (``collectives.callbacks_pending()``), or until
+    engine's background thread has run every call handed to it and torch has run and let
+    go the hooks' callbacks (``collectives.callbacks_pending()``), or until
     ``deadline`` (a ``time.monotonic()`` value); collects and applies nothing. Returns
     how many rounds had not settled by then.
 
@@ -469,8 +469,16 @@ def settle_in_flight(deadline: float) -> int:
         time.sleep(min(0.001, left))
 
 
+# after the rounds settle, torch's threads still release what a hook's own callbacks
+# (``then()``, ``add_done_callback``) held, taking the GIL for it, microseconds later
+_EXIT_GRACE_SECONDS = 0.05
+
+
 def _settle_at_exit() -> None:
+    waited = bool(_IN_FLIGHT) or callbacks_pending() > 0
     late = settle_in_flight(time.monotonic() + EXIT_WAIT_SECONDS)
+    if waited and not late:
+        time.sleep(_EXIT_GRACE_SECONDS)
     if late:
         sys.stderr.write(
             f"ddp_avg_hooks: {late} overlapped round(s) still in flight "

@@ -17,6 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddp_avg_hooks as dah
+from ddp_avg_hooks.collectives import add_tracked_callback, callbacks_pending, tracked_then
 from ddp_avg_hooks.rounds import settle_in_flight
 
 PROGRAM = textwrap.dedent("""
@@ -65,6 +66,27 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
+RELEASE_PROGRAM = textwrap.dedent("""
+    import sys, threading, time, torch
+    from ddp_avg_hooks.collectives import add_tracked_callback, tracked_then
+    class Slow:  # what a callback holds, released slowly (the GIL let go meanwhile)
+        def __del__(self):
+            time.sleep(0.3)
+    slow, fut = Slow(), torch.futures.Future()
+    if sys.argv[1] == "then":
+        child = tracked_then(fut, lambda f, held=slow: f.value() + 1)
+    else:
+        add_tracked_callback(fut, lambda f, held=slow: None)
+    del slow
+    def complete():  # stands for gloo's thread: completes the future, never back in Python
+        time.sleep(0.2)
+        fut.set_result(1)
+        threading.Event().wait()
+    threading.Thread(target=complete, daemon=True).start()
+    print("trained", flush=True)
+""")
+
+
 def _run_programs(cases: list[str], handle: str = "dropped"
                   ) -> list[tuple[str, subprocess.CompletedProcess]]:
     """Run the program once per case, two at a time; each must end within 120 s.
@@ -96,6 +118,32 @@ def test_built_in_overlapped_hooks_exit_cleanly_with_a_round_in_flight():
     for case, r in runs:
         assert r.returncode == 0 and "trained" in r.stdout, (case, r.stderr[-2000:])
         assert "terminate called" not in r.stderr, case
+
+
+@pytest.mark.parametrize("attach", ["callback", "then"])
+def test_what_a_callback_holds_is_released_on_a_thread_of_ours(attach):
+    # torch lets the callable go on the thread that ran it, taking the GIL there; had
+    # that freed what the callback holds, the exit would no longer wait (the callback
+    # returned) while that thread still had Python to run
+    r = subprocess.run([sys.executable, "-c", RELEASE_PROGRAM, attach], capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    assert r.returncode == 0 and "trained" in r.stdout, r.stderr[-2000:]
+    assert "terminate called" not in r.stderr
+
+
+def test_tracked_callbacks_count_until_torch_lets_them_go():
+    fut = torch.futures.Future()
+    before = callbacks_pending()
+    ran = []
+    add_tracked_callback(fut, ran.append)
+    doubled = tracked_then(fut, lambda f: f.value() * 2)
+    failing = tracked_then(fut, lambda f: 1 / 0)
+    assert callbacks_pending() == before + 3 and not ran
+    fut.set_result(torch.ones(2))
+    assert ran == [fut] and doubled.wait().tolist() == [2.0, 2.0]
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        failing.wait()
+    assert callbacks_pending() == before
 
 
 def test_a_round_that_never_completes_is_named_at_exit_after_the_wait():

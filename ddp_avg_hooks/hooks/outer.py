@@ -53,6 +53,7 @@ import torch
 
 from .._groups import group_of_state, is_member, or_world
 from ..bucket import ParamBucket
+from ..collectives import tracked_then
 from ..protocol import HookSpec, SPEC_ATTRIBUTE, hook_name, hook_spec
 from ..trees import clone_tree
 from ._per_bucket import PerBucket
@@ -310,7 +311,7 @@ def outer_optimizer(inner_hook: Callable) -> Callable:
                 outer.param.grad = None
             return outer.param
 
-        return inner_fut.then(outer_step)
+        return tracked_then(inner_fut, outer_step)
 
     def validate_state(state) -> None:
         _check_state(state, name)

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from .._checks import check_bool, check_int
 from .._groups import check_group, is_member, or_world
 from ..bucket import ParamBucket
-from ..collectives import completed
+from ..collectives import completed, tracked_then
 from ..protocol import averaging_hook
 from ._per_bucket import PerBucket
 from ._powersgd_memory import BucketMemory, load_bucket, save_bucket
@@ -313,7 +313,7 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
             mem.residual.zero_()
         bucket.record_sent(c)
         fut = dist.all_reduce(c, group=group, async_op=True).get_future()
-        return fut.then(lambda f: torch.sub(anchor, f.value()[0], out=out))
+        return tracked_then(fut, lambda f: torch.sub(anchor, f.value()[0], out=out))
 
     p_all, q_all = mem.p, mem.q
     if not state.warm_start:
@@ -363,4 +363,4 @@ def powersgd_hook(state: PowerSGDState, bucket: ParamBucket) -> torch.futures.Fu
             t += length
         return out
 
-    return dist.all_reduce(q_all, group=group, async_op=True).get_future().then(finish)
+    return tracked_then(dist.all_reduce(q_all, group=group, async_op=True).get_future(), finish)

@@ -113,7 +113,7 @@ from .. import ops
 from .._checks import check_int
 from .._groups import is_member
 from ..bucket import ParamBucket
-from ..collectives import add_tracked_callback, completed
+from ..collectives import add_tracked_callback, completed, tracked_then
 from ..ops import QuantLayout
 from ..protocol import averaging_hook
 from ._delta import DeltaHookFamily, DeltaState
@@ -272,7 +272,7 @@ def _gathered_round(bucket: ParamBucket, group, bits: int, block_size: int,
         return _sub_(anchor, ops.dequantize_blocks(recv, gathered, work, sum_pieces=True), out)
 
     if not _codes_in_background(bucket):
-        return code_and_gather(group).then(decompress)
+        return tracked_then(code_and_gather(group), decompress)
     result = torch.futures.Future()
     private = bucket.private_group(group)
 
