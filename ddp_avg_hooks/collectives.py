@@ -101,7 +101,9 @@ def tracked_then(fut: torch.futures.Future, fn) -> torch.futures.Future:
 
 def callbacks_pending() -> int:
     """How many callbacks :func:`add_tracked_callback` and :func:`tracked_then` attached
-    torch has not run and let go yet."""
+    torch has not run and let go yet. What those torch has let go held is dropped here,
+    on the calling thread (and at every callback attached): ``handle.remove()`` calls it,
+    so that the buffers a registration's last rounds used are freed with it."""
     with _TRACKED_LOCK:
         dead = _prune()
         pending = len(_TRACKED)

@@ -19,7 +19,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from . import memory
 from ._groups import is_member
 from .bucket import ParamBucket
-from .collectives import backend_device, gather_small
+from .collectives import backend_device, callbacks_pending, gather_small
 from .errors import SettingsMismatchError
 from .grad_hooks import ReducerSwitch
 from .models import AveragedModel
@@ -657,6 +657,7 @@ class AveragingHandle(Joinable):
             self._removed = True
             self._engine.buckets, self._engine.policies = [], []
         self._engine.background.close()  # every round finished: the thread can stop
+        callbacks_pending()  # drops what the rounds' callbacks held (the buckets' buffers)
 
     # --- uneven inputs: torch.distributed.algorithms.join.Join -------------------------
     def join_hook(self, **kwargs) -> JoinHook:

@@ -8,7 +8,9 @@ background thread keeps the order calls were handed in."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -172,3 +174,17 @@ def test_remove_stops_the_background_thread_and_passes_its_groups_on():
     assert all(torch.equal(a, b) for a, b in zip(first, second))  # bit-identical replicas
     # at the exact average of the two (a constant change per block: no int8 rounding)
     assert all(torch.allclose(a, m, atol=1e-6) for a, m in zip(first, results[0]["means"]))
+
+
+def test_remove_frees_the_buffers_the_last_rounds_callbacks_held(world1):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2))
+    handle = dah.register_averaging_hook(torch.nn.parallel.DistributedDataParallel(model),
+                                         dah.hooks.int8_compress_hook, None, period=2,
+                                         overlap=True)
+    for _ in range(5):
+        handle.step()
+    anchor = weakref.ref(handle.buckets[0].anchor())
+    handle.remove()
+    del handle
+    gc.collect()
+    assert anchor() is None
