@@ -40,14 +40,19 @@ _TRACKED_LOCK = threading.Lock()
 # dropping the callable after it ran, frees nothing else (no Python code runs there); a
 # thread of ours drops them once torch has let the callable go.
 _TRACKED: list[list] = []
+# attaching a callback looks for the let-go entries once the registry has doubled since
+# the last look (at least 64 entries), so a round of many buckets costs no more per callback
+_prune_at = 64
 
 
 def _prune() -> list[list]:
     """Take the entries whose callable torch has freed out of the registry (under the
     lock); the caller drops them outside it."""
+    global _prune_at
     dead = [e for e in _TRACKED if e[0]() is None]
     if dead:
         _TRACKED[:] = [e for e in _TRACKED if e[0]() is not None]
+    _prune_at = max(64, 2 * len(_TRACKED))
     return dead
 
 
@@ -56,8 +61,10 @@ def _tracked(fn) -> tuple:
         return fn(f)
 
     entry = [weakref.ref(run), fn, None]
+    dead = []
     with _TRACKED_LOCK:
-        dead = _prune()
+        if len(_TRACKED) >= _prune_at:
+            dead = _prune()
         _TRACKED.append(entry)
     del dead  # outside the lock: what the dropped callbacks held may run code as it goes
     return run, entry
@@ -102,7 +109,7 @@ def tracked_then(fut: torch.futures.Future, fn) -> torch.futures.Future:
 def callbacks_pending() -> int:
     """How many callbacks :func:`add_tracked_callback` and :func:`tracked_then` attached
     torch has not run and let go yet. What those torch has let go held is dropped here,
-    on the calling thread (and at every callback attached): ``handle.remove()`` calls it,
+    on the calling thread (and as callbacks are attached): ``handle.remove()`` calls it,
     so that the buffers a registration's last rounds used are freed with it."""
     with _TRACKED_LOCK:
         dead = _prune()
